@@ -1,0 +1,91 @@
+"""The transformer's primitive operations, float32 numpy, shared by every tier.
+
+Each function matches the Hugging Face reference implementation of the families we serve
+(see tests/test_model_ops.py for the direct comparisons).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+_SQRT_2_OVER_PI = np.float32(np.sqrt(2.0 / np.pi))
+
+
+def rms_norm(x: np.ndarray, w: np.ndarray, eps: float, offset: float) -> np.ndarray:
+    """RMSNorm over the last axis; multiplies by ``offset + w`` (Gemma: 1 + w, Llama: w)."""
+    x = x.astype(np.float32, copy=False)
+    inv = 1.0 / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + np.float32(eps))
+    return (x * inv) * (np.float32(offset) + w)
+
+
+def gelu_tanh(x: np.ndarray) -> np.ndarray:
+    return 0.5 * x * (1.0 + np.tanh(_SQRT_2_OVER_PI * (x + np.float32(0.044715) * x * x * x)))
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    return x / (1.0 + np.exp(-x))
+
+
+ACTIVATIONS = {"gelu_tanh": gelu_tanh, "silu": silu}
+
+
+def rope_tables(positions: np.ndarray, head_dim: int, base: float) -> tuple[np.ndarray, np.ndarray]:
+    """cos/sin tables ``[seq, head_dim]`` for the rotate-half (Hugging Face) RoPE layout."""
+    inv_freq = 1.0 / (base ** (np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)))
+    freqs = positions.astype(np.float32)[:, None] * inv_freq[None, :].astype(np.float32)
+    emb = np.concatenate([freqs, freqs], axis=-1)
+    return np.cos(emb).astype(np.float32), np.sin(emb).astype(np.float32)
+
+
+def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """x: ``[heads, seq, head_dim]``."""
+    half = x.shape[-1] // 2
+    rot = np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos[None] + rot * sin[None]
+
+
+def softcap(x: np.ndarray, cap: float | None) -> np.ndarray:
+    if cap is None:
+        return x
+    return np.tanh(x / np.float32(cap)) * np.float32(cap)
+
+
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    m = np.max(x, axis=-1, keepdims=True)
+    return x - m - np.log(np.sum(np.exp(x - m), axis=-1, keepdims=True))
+
+
+def attention(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    q_pos: np.ndarray,
+    k_pos: np.ndarray,
+    scale: float,
+    window: int | None,
+    logit_cap: float | None,
+) -> np.ndarray:
+    """Grouped-query causal attention.
+
+    q: ``[n_q, seq_q, d]``; k, v: ``[n_kv, seq_k, d]``; positions are absolute token positions.
+    A sliding window keeps keys with ``q_pos - k_pos < window``. Returns ``[seq_q, n_q * d]``.
+    """
+    n_q, seq_q, d = q.shape
+    n_kv = k.shape[0]
+    group = n_q // n_kv
+    qg = q.reshape(n_kv, group * seq_q, d)
+    scores = np.matmul(qg, k.transpose(0, 2, 1)) * np.float32(scale)  # [n_kv, group*seq_q, seq_k]
+    scores = scores.reshape(n_kv, group, seq_q, -1)
+    scores = softcap(scores, logit_cap)
+    delta = q_pos[:, None] - k_pos[None, :]
+    allowed = delta >= 0
+    if window is not None:
+        allowed &= delta < window
+    scores = np.where(allowed[None, None], scores, np.float32(-np.inf))
+    scores = scores - np.max(scores, axis=-1, keepdims=True)
+    p = np.exp(scores)
+    p /= np.sum(p, axis=-1, keepdims=True)
+    out = np.matmul(p.reshape(n_kv, group * seq_q, -1), v)  # [n_kv, group*seq_q, d]
+    out = out.reshape(n_q, seq_q, d)
+    return out.transpose(1, 0, 2).reshape(seq_q, n_q * d)
