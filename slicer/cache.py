@@ -1,0 +1,50 @@
+"""A machine-local cache of extracted vindexes, keyed by the source GGUF's sha256.
+
+`larql-grid up`, the tests and the benchmarks all need the packaged models as vindexes; extracting
+Gemma 3 270M takes ~20 s, so each (source sha256, level, dtype) is extracted once per machine.
+``LARQL_CACHE_DIR`` moves the cache (default ``~/.cache/larql-edge``).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+from pathlib import Path
+
+from .extract import extract, resolve
+from .vindex import Vindex, sha256_file
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("LARQL_CACHE_DIR") or Path.home() / ".cache" / "larql-edge")
+
+
+def source_digest(path: Path) -> str:
+    """sha256 of a source file, memoised beside the cache by (path, size, mtime)."""
+    st = path.stat()
+    ident = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:24]
+    memo = cache_dir() / "digests" / f"{ident}.sha256"
+    if memo.is_file():
+        return memo.read_text().strip()
+    digest = sha256_file(path)
+    memo.parent.mkdir(parents=True, exist_ok=True)
+    memo.write_text(digest)
+    return digest
+
+
+def cached_vindex(source: str, level: str = "all", dtype: str = "f16", progress: bool = False, log=print) -> Path:
+    """Path of a complete vindex for ``source`` (a packaged alias or GGUF path), extracting on first use."""
+    kind, path = resolve(source)
+    key = source_digest(path) if kind == "gguf" else Path(path).resolve().name
+    out = cache_dir() / "vindex" / f"{key[:16]}-{level}-{dtype}"
+    if (out / "index.json").is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Several processes (pytest workers, grid roles) may ask at once: one extracts, the rest wait.
+    with open(out.parent / f".{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out / "index.json").is_file():
+            extract(str(path), out, level=level, dtype=dtype, force=True, progress=progress, log=log)
+    Vindex.open(out)
+    return out
