@@ -38,8 +38,12 @@ def build_tokenizer(add_bos: bool) -> Tokenizer:
 VOCAB = len(SPECIALS) + len(WORDS)
 
 
-def make_tiny_model(folder: Path, family: str, seed: int = 0, tied: bool | None = None) -> Path:
-    """Write a 2-layer random model of ``family`` ("gemma3" or "llama") into ``folder``."""
+def make_tiny_model(folder: Path, family: str, seed: int = 0, tied: bool | None = None, gguf_compatible: bool = False) -> Path:
+    """Write a 2-layer random model of ``family`` ("gemma3" or "llama") into ``folder``.
+
+    ``gguf_compatible`` keeps to what llama.cpp's Gemma 3 metadata can express (query scale from
+    head_dim, every 6th layer global, no softcap), for tests that convert the model to GGUF.
+    """
     rng = np.random.default_rng(seed)
     folder.mkdir(parents=True, exist_ok=True)
     hidden, inter, n_layers, nq, nkv, hd = 32, 64, 2, 4, 2, 8
@@ -83,6 +87,9 @@ def make_tiny_model(folder: Path, family: str, seed: int = 0, tied: bool | None 
             "query_pre_attn_scalar": 16, "final_logit_softcapping": 30.0, "attn_logit_softcapping": None,
             "hidden_activation": "gelu_pytorch_tanh",
         }
+        if gguf_compatible:
+            cfg |= {"query_pre_attn_scalar": hd, "final_logit_softcapping": None,
+                    "layer_types": ["sliding_attention"] * n_layers}
     elif family == "llama":
         cfg = common | {"model_type": "llama", "rope_theta": 10_000.0, "hidden_act": "silu"}
     else:

@@ -130,7 +130,10 @@ def open_gguf(path: Path) -> ModelSource:
         from ._gguf_tokenizer import read_gguf_metadata, tokenizer_from_gguf
 
         meta = read_gguf_metadata(reader, prefix="tokenizer.")
-        return tokenizer_from_gguf(meta).to_str()
+        try:
+            return tokenizer_from_gguf(meta).to_str()
+        except ValueError as e:
+            raise SourceError(f"{path}: cannot build the tokenizer ({e})") from None
 
     name = _scalar(reader, "general.name") or path.stem
     return ModelSource(

@@ -1,0 +1,113 @@
+"""larql: predict the next token or generate text with a vindex.
+
+Local mode runs the whole model in this process. (Remote tiers: see ``--embed`` / ``--ffn``.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+
+from slicer.errors import LarqlError
+
+from ..errors import AppError
+from ._build import add_model_flags, build_model
+from ._stream import TextStream
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    add_model_flags(p)
+    p.add_argument("--prompt", required=True, help="the prompt text")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="larql", description="Run a LARQL vindex: next-token prediction and generation.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    p = sub.add_parser("predict", help="top-k next tokens with probabilities")
+    _common(p)
+    p.add_argument("--top-k", type=int, default=10, help="how many candidates (default 10)")
+    p.set_defaults(func=predict)
+    g = sub.add_parser("generate", help="stream generated tokens (KV cache; stops at EOS)")
+    _common(g)
+    g.add_argument("--max-tokens", type=int, default=32, help="at most this many new tokens (default 32)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
+    g.add_argument("--seed", type=int, default=None, help="sampling seed, for reproducible runs")
+    g.set_defaults(func=generate)
+    return parser
+
+
+def _encode(tok, prompt: str) -> list[int]:
+    ids = tok.encode(prompt).ids
+    if not ids:
+        raise LarqlError("the prompt encodes to no tokens")
+    return ids
+
+
+def predict(args: argparse.Namespace) -> int:
+    from ..model.forward import top_k
+
+    if args.top_k <= 0:
+        raise LarqlError("--top-k must be a positive integer")
+    model, tok = build_model(args)
+    ids = _encode(tok, args.prompt)
+    logits = model.next_logits(ids)
+    rows = [
+        {"id": i, "text": tok.decode([i]), "logprob": lp, "prob": math.exp(lp)}
+        for i, lp in top_k(logits, min(args.top_k, logits.size))
+    ]
+    if args.json:
+        print(json.dumps({"prompt": args.prompt, "prompt_ids": ids, "top_k": rows}, ensure_ascii=False))
+        return 0
+    print(f"Prompt: {args.prompt!r} ({len(ids)} tokens)")
+    for r in rows:
+        print(f"  {r['prob']:7.2%}  {r['logprob']:9.4f}  {r['id']:>7}  {r['text']!r}")
+    return 0
+
+
+def generate(args: argparse.Namespace) -> int:
+    if args.max_tokens <= 0:
+        raise LarqlError("--max-tokens must be a positive integer")
+    if not math.isfinite(args.temperature) or args.temperature < 0:
+        raise LarqlError("--temperature must be a finite number >= 0")
+    model, tok = build_model(args)
+    ids = _encode(tok, args.prompt)
+    out: list[int] = []
+    stream = TextStream(tok)
+    t0 = time.perf_counter()
+    if not args.json:
+        sys.stdout.write(args.prompt)
+        sys.stdout.flush()
+    for t in model.generate(ids, args.max_tokens, args.temperature, args.seed):
+        out.append(t)
+        if not args.json:
+            sys.stdout.write(stream.push(t))
+            sys.stdout.flush()
+    dt = time.perf_counter() - t0
+    if args.json:
+        print(json.dumps({"prompt": args.prompt, "prompt_ids": ids, "generated_ids": out,
+                          "text": tok.decode(out), "seconds": round(dt, 3)}, ensure_ascii=False))
+    else:
+        sys.stdout.write(stream.flush() + "\n")
+        print(f"[{len(out)} tokens in {dt:.2f}s, {len(out) / dt:.1f} tok/s]", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (LarqlError, AppError) as e:
+        print(f"larql {args.command}: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"\nlarql {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

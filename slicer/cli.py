@@ -1,0 +1,46 @@
+"""larql-slicer: build, inspect, verify, slice, publish and pull vindexes.
+
+Each subcommand lives in ``slicer/commands/<name>.py`` and registers itself; this module only
+dispatches and turns every LarqlError into one line on stderr and a non-zero exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import sys
+
+from .errors import LarqlError
+
+COMMANDS = ("extract", "slice", "publish", "pull", "inspect", "verify")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="larql-slicer",
+        description="Build a LARQL vindex from a real model, slice it into per-role presets, "
+        "publish it to and pull it from a Hugging Face Hub.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name in COMMANDS:
+        if importlib.util.find_spec(f"slicer.commands.{name}") is not None:
+            importlib.import_module(f"slicer.commands.{name}").register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except LarqlError as e:
+        print(f"larql-slicer {args.command}: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"larql-slicer {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
