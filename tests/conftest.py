@@ -72,3 +72,40 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
         out[fam] = root / f"{fam}.vindex"
         extract(str(src), out[fam], dtype="f32", progress=False, log=lambda m: None)
     return out
+
+
+# -- the Hub-protocol test server (tests/hubserver) ---------------------------------------------
+
+@pytest.fixture
+def hf_env(tmp_path, monkeypatch):
+    """Client configuration for the local server: no Xet, no telemetry/agent lookup, no offline mode, fresh home.
+
+    `huggingface_hub.constants` reads the environment at import time, so the module attributes are patched too.
+    """
+    home = tmp_path / "hf_home"
+    for name, value in {
+        "HF_HUB_DISABLE_XET": "1",
+        "HF_HUB_DISABLE_TELEMETRY": "1",
+        "HF_HOME": str(home),
+        "NO_PROXY": "127.0.0.1,localhost",
+    }.items():
+        monkeypatch.setenv(name, value)
+    for name in ("HF_HUB_OFFLINE", "HF_TOKEN", "HF_ENDPOINT"):
+        monkeypatch.delenv(name, raising=False)
+    from huggingface_hub import constants as hf_constants
+
+    monkeypatch.setattr(hf_constants, "HF_HUB_DISABLE_XET", True)
+    monkeypatch.setattr(hf_constants, "HF_HUB_DISABLE_TELEMETRY", True)
+    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", False)
+    return home
+
+
+@pytest.fixture
+def hub(hf_env):
+    from tests.hubserver import HubServer, local_only_client
+
+    with HubServer() as server, local_only_client() as blocked:
+        yield server
+        assert blocked == [], f"huggingface_hub tried to reach non-local hosts: {blocked}"
+
+

@@ -27,7 +27,7 @@ from huggingface_hub.errors import (
 )
 from huggingface_hub.hf_api import RepoFile, RepoFolder
 
-from tests.hubserver import HubServer, git_blob_sha1, local_only_client
+from tests.hubserver import HubServer, git_blob_sha1, local_only_client  # noqa: F401
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -41,35 +41,6 @@ def sha256(data: bytes) -> str:
 
 
 # --------------------------------------------------------------------------- fixtures
-@pytest.fixture
-def hf_env(tmp_path, monkeypatch):
-    """Client configuration for the local server: no Xet, no telemetry/agent lookup, no offline mode, fresh home.
-
-    `huggingface_hub.constants` reads the environment at import time, so the module attributes are patched too.
-    """
-    home = tmp_path / "hf_home"
-    for name, value in {
-        "HF_HUB_DISABLE_XET": "1",
-        "HF_HUB_DISABLE_TELEMETRY": "1",
-        "HF_HOME": str(home),
-        "NO_PROXY": "127.0.0.1,localhost",
-    }.items():
-        monkeypatch.setenv(name, value)
-    for name in ("HF_HUB_OFFLINE", "HF_TOKEN", "HF_ENDPOINT"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(hf_constants, "HF_HUB_DISABLE_XET", True)
-    monkeypatch.setattr(hf_constants, "HF_HUB_DISABLE_TELEMETRY", True)
-    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", False)
-    return home
-
-
-@pytest.fixture
-def hub(hf_env):
-    with HubServer() as server, local_only_client() as blocked:
-        yield server
-        assert blocked == [], f"huggingface_hub tried to reach non-local hosts: {blocked}"
-
-
 @pytest.fixture
 def api(hub):
     return HfApi(endpoint=hub.url, token=hub.token)

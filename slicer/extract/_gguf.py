@@ -135,7 +135,9 @@ def open_gguf(path: Path) -> ModelSource:
         except ValueError as e:
             raise SourceError(f"{path}: cannot build the tokenizer ({e})") from None
 
-    name = _scalar(reader, "general.name") or path.stem
+    # A Hub-style short name ("gemma-3-270m"), which titles and families are derived from.
+    base, size = _scalar(reader, "general.basename"), _scalar(reader, "general.size_label")
+    name = f"{base}-{size}".lower() if base and size else (_scalar(reader, "general.name") or path.stem)
     return ModelSource(
         family=fam,
         name=str(name),
