@@ -16,4 +16,4 @@ class MlxBackend:
         if not isinstance(w, mx.array):
             w = mx.array(np.ascontiguousarray(w, dtype=np.float32))
         y = mx.matmul(mx.array(np.ascontiguousarray(x, dtype=np.float32)), w.T)
-        return np.array(y, copy=False)
+        return np.asarray(y)
