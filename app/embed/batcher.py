@@ -1,0 +1,122 @@
+"""An asyncio micro-batcher: concurrent logits requests share one matrix product.
+
+One residual costs a matrix-vector product that streams the whole lm_head from memory; a stack of
+n residuals streams it once for all n (``x[n, hidden] @ W.T``), so under concurrency the batch
+answers many requests for little more than the price of one.
+
+- A request arriving while nothing is computing waits for company: the wait ends as soon as
+  ``GAP`` (1 ms) passes with no new arrival, and never lasts more than ``max_wait``
+  (``--batch-wait-ms``). A lone request pays about a millisecond; a burst of concurrent requests
+  is gathered whole. Then the batch (at most ``max_batch`` rows) goes to the executor.
+- Requests arriving while a batch computes queue up and form the next batch as soon as it ends,
+  without waiting again: under load the wait is never paid.
+- The product and every request's post-processing run in a one-thread executor, so the event loop
+  keeps serving embeddings and health checks meanwhile, and products never compete for BLAS.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from concurrent.futures import Executor
+from typing import Any
+
+import numpy as np
+
+
+class LogitsBatcher:
+    GAP = 0.001  # seconds without a new arrival that end the wait for company
+
+    def __init__(
+        self,
+        compute: Callable[[np.ndarray], np.ndarray],
+        executor: Executor,
+        max_batch: int = 64,
+        max_wait: float = 0.002,
+        on_batch: Callable[[int, float], None] | None = None,
+    ):
+        if max_batch < 1:
+            raise ValueError("max_batch must be >= 1")
+        self.compute = compute
+        self.executor = executor
+        self.max_batch = max_batch
+        self.max_wait = max(0.0, max_wait)
+        self.on_batch = on_batch
+        self._queue: list[tuple[np.ndarray, Callable[[np.ndarray], Any], asyncio.Future]] = []
+        self._runner: asyncio.Task | None = None
+        self.batches = 0
+        self.rows = 0
+        self.largest = 0
+
+    async def submit(self, x: np.ndarray, post: Callable[[np.ndarray], Any]) -> Any:
+        """Queue one residual ``x [hidden]``; ``post(logits_row)`` runs in the executor, its result returns."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._queue.append((x, post, fut))
+        if self._runner is None or self._runner.done():
+            self._runner = loop.create_task(self._run())
+        return await fut
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        first = True
+        while self._queue:
+            if first and self.max_wait:
+                await self._gather_company(loop)
+            first = False
+            batch = self._queue[: self.max_batch]
+            del self._queue[: self.max_batch]
+            batch = [item for item in batch if not item[2].done()]  # callers that went away
+            if not batch:
+                continue
+            t0 = time.perf_counter()
+            try:
+                results = await loop.run_in_executor(self.executor, self._compute_batch, batch)
+            except Exception as e:  # the product itself failed: every caller of the batch hears it
+                for _, _, fut in batch:
+                    if not fut.done():
+                        fut.set_exception(e)
+                continue
+            self.batches += 1
+            self.rows += len(batch)
+            self.largest = max(self.largest, len(batch))
+            if self.on_batch is not None:
+                self.on_batch(len(batch), time.perf_counter() - t0)
+            for (_, _, fut), (ok, value) in zip(batch, results):
+                if fut.done():
+                    continue
+                if ok:
+                    fut.set_result(value)
+                else:
+                    fut.set_exception(value)
+
+    async def _gather_company(self, loop) -> None:
+        deadline = loop.time() + self.max_wait
+        seen = len(self._queue)
+        while seen < self.max_batch:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return
+            await asyncio.sleep(min(self.GAP, remaining))
+            if len(self._queue) == seen:  # nobody came during the gap: go
+                return
+            seen = len(self._queue)
+
+    def _compute_batch(self, batch) -> list[tuple[bool, Any]]:
+        logits = self.compute(np.stack([x for x, _, _ in batch]))
+        out: list[tuple[bool, Any]] = []
+        for i, (_, post, _) in enumerate(batch):
+            try:
+                out.append((True, post(logits[i])))
+            except Exception as e:  # one caller's post-processing failing does not fail the others
+                out.append((False, e))
+        return out
+
+    def stats(self) -> dict:
+        return {
+            "batches": self.batches,
+            "rows": self.rows,
+            "mean_batch": round(self.rows / self.batches, 3) if self.batches else None,
+            "largest_batch": self.largest,
+        }
