@@ -133,6 +133,24 @@ def test_pull_preset_all_slices_and_collection(hub, vindex, tmp_path):
     assert len(col.results) == 6 and all(r.error is None for r in col.results)
 
 
+def test_pulled_embed_preset_is_served_by_larql_embed(hub, vindex, tmp_path):
+    import httpx
+    import numpy as np
+
+    from tests._servers import running_server
+
+    _publish(hub, vindex, slices=["embed"], collections=[])
+    got = pull(REPO, preset="embed", output=tmp_path / "embed", endpoint=hub.url, token=hub.token, log=quiet)
+    folder = got.results[0].path
+    with running_server("larql-embed", [str(folder), "--blas-threads", "1", "--lm-head-cache", str(tmp_path / "lmc")],
+                        module="app.embed.cli") as srv:
+        row = httpx.get(f"{srv.url}/v1/embed/5", headers={"Accept": "application/json"}, timeout=30).json()
+        want = Vindex.open(vindex).embeddings()[5].astype(np.float32) * np.float32(Vindex.open(vindex).embed_scale)
+        np.testing.assert_allclose(row["embedding"], want, rtol=0, atol=1e-6)
+        r = httpx.post(f"{srv.url}/v1/logits", json={"residual": [0.1] * row["hidden_size"], "top_k": 3}, timeout=30)
+        assert r.status_code == 200 and len(r.json()["top_k"]) == 3
+
+
 def test_interrupted_pull_resumes_and_verifies(hub, vindex, tmp_path, monkeypatch):
     from huggingface_hub import constants as hf_constants
 
