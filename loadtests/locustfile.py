@@ -32,14 +32,14 @@ SHAPE: dict[str, int] = {}
 @events.test_start.add_listener
 def _discover(environment, **_kw):
     """Vocab and hidden size from the target's /v1/stats unless given in the environment."""
-    import httpx
+    import requests  # locust's own dependency; httpx does not survive gevent's monkey-patching
 
     SHAPE["vocab"] = int(os.environ.get("LARQL_LOAD_VOCAB", 0))
     SHAPE["hidden"] = int(os.environ.get("LARQL_LOAD_HIDDEN", 0))
     SHAPE["layers"] = int(os.environ.get("LARQL_LOAD_LAYERS", 0))
     if not (SHAPE["vocab"] and SHAPE["hidden"]) and environment.host:
         try:
-            stats = httpx.get(environment.host.rstrip("/") + "/v1/stats", timeout=5).json()
+            stats = requests.get(environment.host.rstrip("/") + "/v1/stats", timeout=5).json()
             SHAPE["vocab"] = SHAPE["vocab"] or int(stats.get("vocab_size", 0))
             SHAPE["hidden"] = SHAPE["hidden"] or int(stats.get("hidden_size", 0))
             SHAPE["layers"] = SHAPE["layers"] or int(stats.get("num_layers", 0) or 0)
