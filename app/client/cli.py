@@ -1,6 +1,8 @@
 """larql: predict the next token or generate text with a vindex.
 
-Local mode runs the whole model in this process. (Remote tiers: see ``--embed`` / ``--ffn``.)
+Local mode runs the whole model in this process. With ``--embed URL --ffn URL`` (the attention-only
+client) attention runs here with a KV cache, embeddings and logits come from the embed server and
+the FFN of each layer from the grid (one round trip per layer); tokens stream as they come.
 """
 
 from __future__ import annotations

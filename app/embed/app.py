@@ -127,7 +127,20 @@ def create_app(cfg: EmbedConfig) -> Sanic:
     async def _teardown(app_, loop=None):
         app_.ctx.compute.shutdown(wait=False, cancel_futures=True)
 
+    if cfg.grid and _first_worker():  # one worker joins: members are identified by public URL
+        _join_grid(app, cfg, registry)
     return app
+
+
+def _join_grid(app: Sanic, cfg: EmbedConfig, registry: ModelRegistry) -> None:
+    from app.grid.identity import vindex_hash
+    from app.grid.membership import install_membership
+    from slicer.vindex import Vindex
+
+    vx = Vindex.open(cfg.models[0].path)  # the default model is the one the grid serves
+    ident = {"model": vx.model, "num_layers": vx.num_layers, "hidden_size": vx.hidden_size, "vindex_hash": vindex_hash(vx)}
+    install_membership(app, cfg.grid["router_url"], cfg.grid["grid_key"], cfg.grid["public_url"], "embed",
+                       describe_fn=lambda: dict(ident, inflight=0), ready_fn=lambda: registry.ready)
 
 
 async def _load_models(app: Sanic, cfg: EmbedConfig, registry: ModelRegistry, em: EmbedMetrics) -> None:

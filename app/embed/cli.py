@@ -11,6 +11,7 @@ one is the default model. Every flag has a ``LARQL_`` environment twin (``--hot-
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
@@ -56,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     f.switch("--access-log", help="log every request")
     f.add("--log-level", default="INFO", help="log level")
+    from app.grid.membership import add_membership_flags
+
+    add_membership_flags(f)  # --join, --grid-key (secret), --public-url: register as capability "embed"
     return p
 
 
@@ -145,7 +149,13 @@ def main(argv: list[str] | None = None) -> int:
     if problems:
         print("larql-embed: cannot serve:\n  " + "\n  ".join(problems), file=sys.stderr)
         return 2
-    cfg = config_from_args(args, sources)
+    from app.grid.membership import membership_settings
+
+    try:
+        grid = membership_settings(args, args.host, args.port)  # None without --join; messages never hold the key
+    except ValueError as e:
+        parser.error(str(e))
+    cfg = dataclasses.replace(config_from_args(args, sources), grid=grid)
 
     # Workers are spawned processes: what they inherit must be in the environment before they start.
     for name in BLAS_ENV:

@@ -51,6 +51,7 @@ class EmbedConfig:
     embed_only: bool = False
     access_log: bool = False
     limits: Limits = field(default_factory=Limits)
+    grid: dict | None = field(default=None, repr=False)  # holds the grid key: never print or serialise it
 
     @property
     def url(self) -> str:

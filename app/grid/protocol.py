@@ -1,0 +1,117 @@
+"""The grid membership protocol: what a member sends the router, and how the router checks it.
+
+Members authenticate with the grid key as a bearer token (``Authorization: Bearer KEY``).
+
+- ``POST /v1/grid/join``      `Announce` as JSON -> ``{"member_id", "heartbeat_interval_s", "evict_after_s"}``
+- ``POST /v1/grid/heartbeat`` `Load` as JSON -> ``{"ok": true}``; 404 when the router does not know
+  the member (it restarted, or evicted it): the member then joins again.
+- ``POST /v1/grid/leave``     ``{"member_id"}`` -> ``{"ok": true}`` (a clean shutdown; eviction covers the rest)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+JOIN = "/v1/grid/join"
+HEARTBEAT = "/v1/grid/heartbeat"
+LEAVE = "/v1/grid/leave"
+CAPABILITIES = ("ffn", "embed")
+
+
+class ProtocolError(ValueError):
+    """A join/heartbeat body that does not follow the protocol (the router answers 400)."""
+
+
+def _str(obj: dict, key: str, required: bool = True, limit: int = 512) -> str:
+    v = obj.get(key)
+    if v is None and not required:
+        return ""
+    if not isinstance(v, str) or not v or len(v) > limit:
+        raise ProtocolError(f'"{key}" must be a non-empty string of at most {limit} characters')
+    return v
+
+
+def _int(obj: dict, key: str, required: bool = True, minimum: int = 0) -> int | None:
+    v = obj.get(key)
+    if v is None and not required:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or v < minimum or v > 1 << 40:
+        raise ProtocolError(f'"{key}" must be an integer >= {minimum}')
+    return v
+
+
+def check_url(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ProtocolError(f'"public_url" must be an http(s) URL, got {url!r}')
+    if parts.query or parts.fragment:
+        raise ProtocolError('"public_url" must not carry a query or fragment')
+    return url.rstrip("/")
+
+
+@dataclass(frozen=True)
+class Announce:
+    capability: str
+    public_url: str
+    model: str
+    num_layers: int | None
+    hidden_size: int | None
+    layer_start: int | None
+    layer_end: int | None
+    vindex_hash: str
+
+    @classmethod
+    def from_json(cls, obj: object) -> "Announce":
+        if not isinstance(obj, dict):
+            raise ProtocolError("the join body must be a JSON object")
+        cap = obj.get("capability")
+        if cap not in CAPABILITIES:
+            raise ProtocolError(f'"capability" must be one of {", ".join(CAPABILITIES)}')
+        a = cls(
+            capability=cap,
+            public_url=check_url(_str(obj, "public_url", limit=2048)),
+            model=_str(obj, "model"),
+            num_layers=_int(obj, "num_layers", required=False, minimum=1),
+            hidden_size=_int(obj, "hidden_size", required=False, minimum=1),
+            layer_start=_int(obj, "layer_start", required=cap == "ffn"),
+            layer_end=_int(obj, "layer_end", required=cap == "ffn"),
+            vindex_hash=_str(obj, "vindex_hash", required=False, limit=128),
+        )
+        if cap == "ffn":
+            if a.layer_end < a.layer_start:
+                raise ProtocolError('"layer_end" must be >= "layer_start" (the range is inclusive)')
+            if a.num_layers is not None and a.layer_end >= a.num_layers:
+                raise ProtocolError(f'layer range {a.layer_start}-{a.layer_end} exceeds "num_layers" {a.num_layers}')
+        return a
+
+
+@dataclass(frozen=True)
+class Load:
+    member_id: str
+    inflight: int = 0
+    rss_bytes: int = 0
+    layer_latency_ms: dict[int, float] = field(default_factory=dict)
+
+    @classmethod
+    def from_json(cls, obj: object) -> "Load":
+        if not isinstance(obj, dict):
+            raise ProtocolError("the heartbeat body must be a JSON object")
+        lat = obj.get("layer_latency_ms") or {}
+        if not isinstance(lat, dict) or len(lat) > 4096:
+            raise ProtocolError('"layer_latency_ms" must be an object {layer: ms}')
+        parsed: dict[int, float] = {}
+        for k, v in lat.items():
+            try:
+                layer = int(k)
+            except (TypeError, ValueError):
+                raise ProtocolError(f'"layer_latency_ms" key {k!r} is not a layer number') from None
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 <= v < 1e9):
+                raise ProtocolError(f'"layer_latency_ms" value for layer {k} must be a number >= 0')
+            parsed[layer] = float(v)
+        return cls(
+            member_id=_str(obj, "member_id", limit=64),
+            inflight=_int(obj, "inflight", required=False) or 0,
+            rss_bytes=_int(obj, "rss_bytes", required=False) or 0,
+            layer_latency_ms=parsed,
+        )

@@ -1,0 +1,156 @@
+"""Local processes of a grid (`larql-grid up`): start, wait until ready, watch, stop cleanly.
+
+Each role runs in its own session (process group), so Ctrl-C at the terminal reaches only the
+supervisor, which then stops the roles in order (members first, so they leave the router cleanly;
+the router last) and kills whatever does not stop in time. Secrets go through the environment,
+never argv (argv is visible to every user of the machine through ps).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+STOP_GRACE_S = 10.0
+# LARQL_ variables that mean the same to every role; any other one (LARQL_SHARDS, LARQL_EMBED,
+# LARQL_PORT, ...) was set for some single command and must not leak into the roles we start.
+SHARED_ENV = ("LARQL_CACHE_DIR", "LARQL_BACKEND", "LARQL_LOG_LEVEL")
+
+
+def role_env(base: dict[str, str], **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in base.items() if not k.startswith("LARQL_") or k in SHARED_ENV}
+    env.pop("PROMETHEUS_MULTIPROC_DIR", None)  # each role keeps its own metrics
+    env.update(extra)
+    return env
+
+
+def port_free(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def pick_ports(host: str, wanted: list[int], taken: set[int] | None = None) -> list[int]:
+    """For each wanted port, that port or the next free one not already given out."""
+    taken = set(taken or ())
+    out = []
+    for p in wanted:
+        while p in taken or not port_free(host, p):
+            p += 1
+            if p > 65535:
+                raise RuntimeError("no free port left")
+        taken.add(p)
+        out.append(p)
+    return out
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: get SIGTERM if the supervisor dies (Linux), so that even a
+    supervisor killed with SIGKILL leaves no role running."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+@dataclass
+class Role:
+    name: str
+    argv: list[str]
+    url: str
+    log_path: Path
+    popen: subprocess.Popen | None = None
+    info: dict = field(default_factory=dict)
+
+    @property
+    def pid(self) -> int | None:
+        return self.popen.pid if self.popen else None
+
+    def running(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    def log_tail(self, n: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+
+class Supervisor:
+    def __init__(self, log_dir: Path, env: dict[str, str]):
+        self.log_dir = log_dir
+        self.env = env
+        self.roles: list[Role] = []
+        log_dir.mkdir(parents=True, exist_ok=True)
+
+    def start(self, name: str, argv: list[str], url: str, **info) -> Role:
+        role = Role(name, argv, url, self.log_dir / f"{name}.log", info=info)
+        log = open(role.log_path, "ab")
+        try:
+            role.popen = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                          env=self.env, start_new_session=True,
+                                          preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+        finally:
+            log.close()  # the child holds its own descriptor
+        self.roles.append(role)
+        return role
+
+    def wait_ready(self, roles: list[Role], deadline: float) -> None:
+        """Until every role answers 200 on /v1/ready; raises if one exits or time runs out."""
+        pending = list(roles)
+        with httpx.Client(timeout=2.0) as client:
+            while pending:
+                for r in list(pending):
+                    if not r.running():
+                        raise RuntimeError(f"{r.name} exited (code {r.popen.returncode}) before it was ready:\n"
+                                           f"{r.log_tail()}")
+                    try:
+                        if client.get(r.url + "/v1/ready").status_code == 200:
+                            pending.remove(r)
+                    except httpx.HTTPError:
+                        pass
+                if pending and time.monotonic() > deadline:
+                    raise TimeoutError(f"not ready in time: {', '.join(r.name for r in pending)} "
+                                       f"(logs in {self.log_dir})")
+                if pending:
+                    time.sleep(0.2)
+
+    def exited(self) -> list[Role]:
+        return [r for r in self.roles if r.popen is not None and r.popen.poll() is not None]
+
+    def stop_all(self) -> None:
+        """SIGTERM every role (members before the router), then SIGKILL what is left after the grace."""
+        for r in reversed(self.roles):
+            if r.running():
+                _signal_group(r.popen, signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_S
+        for r in reversed(self.roles):
+            if r.popen is None:
+                continue
+            try:
+                r.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _signal_group(r.popen, signal.SIGKILL)
+                r.popen.wait(timeout=5)
+            # A role's own children (a Sanic worker manager's workers) share its group.
+            _signal_group(r.popen, signal.SIGKILL)
+
+
+def _signal_group(p: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(p.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass

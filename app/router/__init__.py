@@ -1,0 +1,1 @@
+"""larql-router: one front door for the grid (FFN layer routing, embed proxy, membership)."""

@@ -1,0 +1,226 @@
+"""Grid benchmark: decode tokens/s through the three-tier grid against the local single-process
+forward measured in the same run, per-hop latency, 59-token prefill, and the RSS of each role.
+
+    python benchmarks/grid.py [--model gemma3-270m] [--tokens 32] [--rounds 3] [--out benchmarks/results/grid.txt]
+
+Every role runs as a local process on loopback with 1 BLAS thread (as `larql-grid up` starts them);
+this process also pins itself to 1 BLAS thread, so the baseline and the grid get the same compute.
+Figures are ratios against a baseline measured in this run: the machine is shared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+for _v in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ[_v] = "1"
+
+import httpx  # noqa: E402
+import numpy as np  # noqa: E402
+import psutil  # noqa: E402
+from threadpoolctl import threadpool_limits  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from app.client._build import build_remote  # noqa: E402
+from app.grid.cli import role_vindexes  # noqa: E402
+from app.grid.layers import split_even  # noqa: E402
+from app.grid.supervisor import Supervisor, pick_ports, role_env  # noqa: E402
+from app.model.forward import Transformer  # noqa: E402
+from app.wire import embed as ew  # noqa: E402
+from app.wire import ffn as fw  # noqa: E402
+from slicer.vindex import Vindex  # noqa: E402
+
+TEXT = ("The history of the city begins with a small settlement on the river, where fishermen and traders met "
+        "to exchange goods. Over the centuries it grew into a busy port, then a capital, and today it is known "
+        "for its museums, its bridges and the long walks along the water that visitors remember.")
+
+
+def remote_args(**kw):
+    base = dict(embed=None, ffn=None, ffn_f16=False, timeout=120.0, retries=4)
+    base.update(kw)
+    return argparse.Namespace(**base)
+
+
+def decode_rate(model: Transformer, ids: list[int], tokens: int) -> float:
+    """Tokens/s of greedy decode with the KV cache (the prefill is excluded)."""
+    cache = model.new_cache()
+    logits = model.next_logits(ids, cache)
+    t0 = time.perf_counter()
+    for _ in range(tokens):
+        logits = model.next_logits([int(np.argmax(logits))], cache)
+    return tokens / (time.perf_counter() - t0)
+
+
+def prefill_seconds(model: Transformer, ids: list[int]) -> float:
+    t0 = time.perf_counter()
+    model.next_logits(ids, model.new_cache())
+    return time.perf_counter() - t0
+
+
+def median_ms(fn, n: int = 200) -> float:
+    for _ in range(10):
+        fn()
+    ts = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts) * 1e3
+
+
+def client_rss_mb(vindex: Path, router: str) -> float:
+    """Peak RSS of an attention-only client process running one prediction through the grid."""
+    code = (
+        "import argparse, psutil\n"
+        "from app.client._build import build_remote\n"
+        "from slicer.vindex import Vindex\n"
+        f"m = build_remote(Vindex.open({str(vindex)!r}), argparse.Namespace(embed=None, ffn={router!r}, "
+        "ffn_f16=False, timeout=120.0, retries=2))\n"
+        "m.next_logits([2, 818, 5279, 529, 7001, 563])\n"
+        "mi = psutil.Process().memory_info()\n"
+        "print(mi.rss / 2**20)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    if r.returncode:
+        raise RuntimeError(r.stderr)
+    return float(r.stdout.strip().splitlines()[-1])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="gemma3-270m")
+    ap.add_argument("--vindex", default=None, help="use this vindex instead of the cached one")
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "grid.txt"))
+    args = ap.parse_args()
+    threadpool_limits(1)
+    lines: list[str] = []
+
+    def say(s: str = "") -> None:
+        print(s, flush=True)
+        lines.append(s)
+
+    vindex = role_vindexes(args.model, args.vindex, log=lambda m: None)["ffn"]
+    n_layers = Vindex.open(vindex).num_layers
+    ranges = split_even(n_layers, 2)
+    host = "127.0.0.1"
+    rp, ep, *sp = pick_ports(host, [19590, 19582, 19580, 19581])
+    env = role_env(dict(os.environ), LARQL_GRID_KEY="bench-key", PYTHONUNBUFFERED="1")
+    sup = Supervisor(Path(tempfile.mkdtemp(prefix="larql-bench-")), env)
+    url = lambda p: f"http://{host}:{p}"  # noqa: E731
+    common = ["--host", host, "--blas-threads", "1"]
+    try:
+        from app.grid.cli import _embed_can_join
+
+        router_argv = ["larql-router", "--port", str(rp), *common]
+        embed_argv = ["larql-embed", str(vindex), "--port", str(ep), *common]
+        if _embed_can_join():
+            embed_argv += ["--join", url(rp)]
+        else:
+            router_argv += ["--embed", url(ep)]
+        router = sup.start("router", router_argv, url(rp))
+        embed = sup.start("embed", embed_argv, url(ep))
+        shards = [sup.start(f"ffn-{r}", ["larql-ffn", str(vindex), "--layers", str(r), "--port", str(p), *common,
+                                         "--join", url(rp)], url(p), layers=str(r)) for r, p in zip(ranges, sp)]
+        deadline = time.monotonic() + 900
+        sup.wait_ready(sup.roles, deadline)
+        while not httpx.get(router.url + "/v1/grid").json()["complete"]:
+            time.sleep(0.2)
+
+        local = Transformer.local(vindex)
+        grid = build_remote(Vindex.open(vindex), remote_args(ffn=router.url))
+        direct = build_remote(Vindex.open(vindex), remote_args(
+            ffn=",".join(f"{s.info['layers']}={s.url}" for s in shards), embed=embed.url))
+        from app.client._build import load_tokenizer
+
+        tok = load_tokenizer(Vindex.open(vindex))
+        prompt = tok.encode("The capital of France is").ids
+        long_ids = tok.encode(TEXT * 3).ids[:59]
+        assert len(long_ids) == 59
+
+        say(f"larql-edge grid benchmark: {args.model} ({n_layers} layers), vindex {vindex.name}")
+        say(f"  machine: {os.cpu_count()} cores (shared), every process 1 BLAS thread; loopback HTTP")
+        say(f"  grid: router + embed server + 2 FFN shards ({', '.join(str(r) for r in ranges)})")
+        say("")
+
+        # Decode: rounds interleave the three configurations so machine noise hits them alike.
+        rates: dict[str, list[float]] = {"local": [], "grid": [], "direct": []}
+        for _ in range(args.rounds):
+            rates["local"].append(decode_rate(local, prompt, args.tokens))
+            rates["grid"].append(decode_rate(grid, prompt, args.tokens))
+            rates["direct"].append(decode_rate(direct, prompt, args.tokens))
+        best = {k: max(v) for k, v in rates.items()}
+        say(f"Decode ({args.tokens} tokens after a {len(prompt)}-token prompt, best of {args.rounds} rounds):")
+        say(f"  local single process      {best['local']:6.1f} tok/s   (baseline)")
+        say(f"  grid via router           {best['grid']:6.1f} tok/s   {best['grid'] / best['local']:.2f}x local")
+        say(f"  grid, shards direct       {best['direct']:6.1f} tok/s   {best['direct'] / best['local']:.2f}x local")
+        say(f"  (all rounds: local {', '.join(f'{r:.1f}' for r in rates['local'])}; "
+            f"grid {', '.join(f'{r:.1f}' for r in rates['grid'])}; direct {', '.join(f'{r:.1f}' for r in rates['direct'])})")
+        say("")
+
+        pf = {k: min(prefill_seconds(m, long_ids) for _ in range(args.rounds))
+              for k, m in (("local", local), ("grid", grid), ("direct", direct))}
+        say("Prefill, 59-token prompt (best of rounds):")
+        say(f"  local {pf['local'] * 1e3:7.1f} ms   grid via router {pf['grid'] * 1e3:7.1f} ms "
+            f"({pf['grid'] / pf['local']:.2f}x)   shards direct {pf['direct'] * 1e3:7.1f} ms")
+        say("")
+
+        # Per-hop latency, one decode-sized request each (median of 200).
+        hidden = local.spec.hidden_size
+        x = np.random.default_rng(0).standard_normal((1, hidden)).astype(np.float32)
+        body = fw.encode_request(0, x)
+        h = {"content-type": fw.CONTENT_TYPE}
+        from app.client._http import HttpClient
+
+        c = HttpClient()  # the client's own transport: per-hop figures are what decode pays
+        w0 = local.ffn_provider.layers[0]
+        from app.model.forward import ffn_compute
+
+        compute = median_ms(lambda: ffn_compute(w0, x, local.ffn_provider.act, local.backend))
+        shard_ms = median_ms(lambda: c.request("POST", shards[0].url + "/v1/walk-ffn", content=body, headers=h))
+        router_ms = median_ms(lambda: c.request("POST", router.url + "/v1/walk-ffn", content=body, headers=h))
+        eb = ew.encode_embed_request([818])
+        embed_ms = median_ms(lambda: c.request("POST", embed.url + "/v1/embed", content=eb, headers=h))
+        embed_r_ms = median_ms(lambda: c.request("POST", router.url + "/v1/embed", content=eb, headers=h))
+        lb = ew.encode_logits_request(x[0])
+        lh = {**h, "accept": fw.CONTENT_TYPE}
+        logits_ms = median_ms(lambda: c.request("POST", embed.url + "/v1/logits", content=lb, headers=lh), n=50)
+        logits_r_ms = median_ms(lambda: c.request("POST", router.url + "/v1/logits", content=lb, headers=lh), n=50)
+        head_local = median_ms(lambda: local.head.logits(x), n=50)
+        say("Per-hop latency (median, one position):")
+        say(f"  FFN layer compute in-process     {compute:7.3f} ms")
+        say(f"  client -> shard  /v1/walk-ffn    {shard_ms:7.3f} ms   (HTTP + codec: {shard_ms - compute:.3f} ms)")
+        say(f"  client -> router -> shard        {router_ms:7.3f} ms   (router hop: {router_ms - shard_ms:.3f} ms)")
+        say(f"  client -> embed  /v1/embed       {embed_ms:7.3f} ms   via router {embed_r_ms:7.3f} ms")
+        say(f"  lm_head in-process               {head_local:7.3f} ms")
+        say(f"  client -> embed  /v1/logits raw  {logits_ms:7.3f} ms   via router {logits_r_ms:7.3f} ms")
+        say(f"  => per decode token: {n_layers} FFN round trips + embed + logits")
+        say("")
+
+        say("RSS per role (MB):")
+        for r in (router, embed, *shards):
+            proc = psutil.Process(r.pid)
+            rss = sum(p.memory_info().rss for p in [proc, *proc.children(recursive=True)])
+            say(f"  {r.name:12s} {rss / 2**20:8.1f}")
+        say(f"  {'client':12s} {client_rss_mb(vindex, router.url):8.1f}   (attention-only, one prediction)")
+        say(f"  {'local':12s} {psutil.Process().memory_info().rss / 2**20:8.1f}   (this benchmark process: the whole model + the clients)")
+    finally:
+        sup.stop_all()
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text("\n".join(lines) + "\n")
+    print(f"\n(saved to {args.out})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,156 @@
+"""The attention-only client (`larql predict|generate --embed URL --ffn URL`) against real processes on
+loopback, tiny models: exact against the local forward, every way of naming the tiers, and failover."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from app.client._build import build_remote
+from app.client.remote import RemoteError, parse_targets
+from app.model.forward import Transformer
+from slicer.vindex import Vindex
+from tests._grid import Procs, StubEmbed, larql, remote_args, start_grid, wait_grid
+
+IDS = [2, 4, 5, 6, 7, 8, 9, 10, 4]
+PROMPT = "the capital of france is"
+
+
+@pytest.fixture(scope="module", params=["gemma3", "llama"])
+def family_grid(request, tiny_models):
+    fam = request.param
+    with Procs() as procs:
+        g = start_grid(procs, tiny_models[fam], ["0-0", "1-1"])
+        g["vindex"] = tiny_models[fam]
+        g["local"] = Transformer.local(tiny_models[fam])
+        yield g
+
+
+def test_three_tier_logits_equal_local(family_grid):
+    remote = build_remote(Vindex.open(family_grid["vindex"]), remote_args(ffn=family_grid["router"].url))
+    local = family_grid["local"]
+    want = local.head.logits(local.forward(IDS))
+    got = remote.head.logits(remote.forward(IDS))
+    assert np.max(np.abs(got - want)) <= 1e-5
+    # Decode with the KV cache, one token at a time, matches too.
+    lc, rc = local.new_cache(), remote.new_cache()
+    local.forward(IDS[:3], lc)
+    remote.forward(IDS[:3], rc)
+    for t in IDS[3:]:
+        assert np.max(np.abs(remote.next_logits([t], rc) - local.next_logits([t], lc))) <= 1e-5
+
+
+def test_cli_predict_and_generate_match_local(family_grid):
+    v = str(family_grid["vindex"])
+    for cmd in ("predict", "generate"):
+        extra = ["--max-tokens", "8"] if cmd == "generate" else []
+        loc = larql(cmd, "--vindex", v, "--prompt", PROMPT, "--json", *extra)
+        rem = larql(cmd, "--vindex", v, "--ffn", family_grid["router"].url, "--prompt", PROMPT, "--json", *extra)
+        assert loc.returncode == 0 and rem.returncode == 0, rem.stderr
+        a, b = json.loads(loc.stdout), json.loads(rem.stdout)
+        if cmd == "predict":
+            assert [r["id"] for r in a["top_k"]] == [r["id"] for r in b["top_k"]]
+            np.testing.assert_allclose([r["logprob"] for r in a["top_k"]], [r["logprob"] for r in b["top_k"]], atol=1e-5)
+        else:
+            assert a["generated_ids"] == b["generated_ids"]
+
+
+def test_generate_streams_text(family_grid):
+    r = larql("generate", "--vindex", str(family_grid["vindex"]), "--ffn", family_grid["router"].url,
+              "--prompt", PROMPT, "--max-tokens", "4")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith(PROMPT) and "tok/s" in r.stderr
+
+
+def test_direct_shards_by_range_and_explicit_embed(family_grid):
+    g = family_grid
+    ffn = ",".join(f"{rng}={s[0].url}" for rng, s in g["shards"].items())
+    remote = build_remote(Vindex.open(g["vindex"]), remote_args(ffn=ffn, embed=g["embed"].url))
+    local = g["local"]
+    np.testing.assert_allclose(remote.next_logits(IDS), local.next_logits(IDS), atol=1e-5, rtol=0)
+
+
+def test_f16_wire_keeps_the_order(family_grid):
+    g = family_grid
+    remote = build_remote(Vindex.open(g["vindex"]), remote_args(ffn=g["router"].url, ffn_f16=True))
+    got, want = remote.next_logits(IDS), g["local"].next_logits(IDS)
+    assert np.argmax(got) == np.argmax(want)
+    np.testing.assert_allclose(got, want, atol=5e-2)
+
+
+def test_a_layer_no_target_serves_is_an_error(family_grid):
+    g = family_grid
+    with pytest.raises(RemoteError, match="layers 1-1"):
+        build_remote(Vindex.open(g["vindex"]), remote_args(ffn=f"0-0={g['shards']['0-0'][0].url}", embed=g["embed"].url))
+    with pytest.raises(RemoteError, match="--embed"):
+        build_remote(Vindex.open(g["vindex"]), remote_args(ffn=f"0-1={g['shards']['0-0'][0].url}"))
+    r = larql("predict", "--vindex", str(g["vindex"]), "--ffn", f"0-0={g['shards']['0-0'][0].url}",
+              "--embed", g["embed"].url, "--prompt", PROMPT)
+    assert r.returncode == 1 and "layers 1-1" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_shard_serving_the_wrong_layers_is_a_clear_error(family_grid):
+    g = family_grid
+    # Misconfigured: claims layer 1 is at the layer-0 shard. The shard's 400 names its range.
+    remote = build_remote(Vindex.open(g["vindex"]),
+                          remote_args(ffn=f"0-1={g['shards']['0-0'][0].url}", embed=g["embed"].url))
+    with pytest.raises(RemoteError, match="serves layers 0-0"):
+        remote.next_logits(IDS)
+
+
+def test_client_loads_only_attention_and_norms(tiny_models, tmp_path):
+    """The remote client works from a vindex holding no embeddings and no FFN weights."""
+    src = tiny_models["gemma3"]
+    dst = tmp_path / "attn-only"
+    shutil.copytree(src, dst)
+    for name in ("embeddings.bin", "gate_vectors.bin", "up_weights.bin", "down_weights.bin"):
+        (dst / name).unlink()
+    with StubEmbed(src) as stub, Procs() as procs:
+        shard = procs.shard(src, "0-1", None)
+        shard.wait_ready(60)
+        remote = build_remote(Vindex.open(dst), remote_args(ffn=shard.url, embed=stub.url))
+        local = Transformer.local(src)
+        np.testing.assert_allclose(remote.next_logits(IDS), local.next_logits(IDS), atol=1e-5, rtol=0)
+        assert "POST /v1/embed" in stub.requests and "POST /v1/logits" in stub.requests
+
+
+def test_client_fails_over_between_direct_replicas(tiny_models):
+    """--ffn URL1,URL2 (replicas): kill the one in use mid-generation; the output is unchanged."""
+    v = tiny_models["gemma3"]
+    local = list(Transformer.local(v).generate(IDS[:4], 10, stop_ids=[]))
+    with StubEmbed(v) as stub, Procs() as procs:
+        a, b = procs.shard(v, "0-1", None, "a"), procs.shard(v, "0-1", None, "b")
+        a.wait_ready(60)
+        b.wait_ready(60)
+        remote = build_remote(Vindex.open(v), remote_args(ffn=f"{a.url},{b.url}", embed=stub.url))
+        out = []
+        for i, tok in enumerate(remote.generate(IDS[:4], 10, stop_ids=[])):
+            out.append(tok)
+            if i == 3:
+                a.kill()  # the client has been using a (the first listed)
+        assert out == local
+        assert remote.ffn_provider.replicas.failovers >= 1
+
+
+def test_parse_targets():
+    t = parse_targets("http://a:1, 0-8=http://b:2/ ,9-17=https://c")
+    assert [(x.url, str(x.layers) if x.layers else None) for x in t] == [
+        ("http://a:1", None), ("http://b:2", "0-8"), ("https://c", "9-17")]
+    for bad in ("a:1", "0-x=http://a", "ftp://x"):
+        with pytest.raises(RemoteError):
+            parse_targets(bad)
+
+
+def test_router_without_embed_gives_a_clear_error(tiny_models):
+    with Procs() as procs:
+        router = procs.router()
+        router.wait_ready(30)
+        shard = procs.shard(tiny_models["gemma3"], "0-1", router)
+        shard.wait_ready(60)
+        wait_grid(router.url)
+        r = larql("predict", "--vindex", str(tiny_models["gemma3"]), "--ffn", router.url, "--prompt", PROMPT,
+                  "--retries", "1")
+        assert r.returncode == 1 and "embed" in r.stderr and "Traceback" not in r.stderr

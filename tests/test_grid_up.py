@@ -1,0 +1,105 @@
+"""`larql-grid up` as a user runs it: it comes up, prints a command that works, and Ctrl-C stops
+every process it started."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import shlex
+import signal
+import subprocess
+import threading
+import time
+
+import pytest
+
+from tests._grid import child_env, free_port, larql
+
+
+def _lines(proc: subprocess.Popen) -> queue.Queue:
+    q: queue.Queue = queue.Queue()
+
+    def pump():
+        for line in proc.stdout:
+            q.put(line)
+        q.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
+    return q
+
+
+def _read_until(q: queue.Queue, marker: str, timeout: float) -> str:
+    out, deadline = [], time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            line = q.get(timeout=0.5)
+        except queue.Empty:
+            continue
+        if line is None:
+            break
+        out.append(line)
+        if marker in line:
+            return "".join(out)
+    raise AssertionError(f"no {marker!r} within {timeout}s:\n{''.join(out)}")
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    # A zombie is gone for our purposes (its parent, the supervisor, has exited).
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+@pytest.mark.timeout(300)
+def test_grid_up_serves_and_ctrl_c_stops_everything(tiny_models, tmp_path):
+    ports = [free_port() for _ in range(3)]
+    argv = ["larql-grid", "up", "--vindex", str(tiny_models["llama"]), "--shards", "2", "--replicas", "2",
+            "--router-port", str(ports[0]), "--embed-port", str(ports[1]), "--ffn-port", str(ports[2]),
+            "--log-dir", str(tmp_path / "logs")]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env(),
+                            start_new_session=True, stdin=subprocess.DEVNULL)
+    try:
+        q = _lines(proc)
+        text = _read_until(q, "Ctrl-C stops the grid.", timeout=180)
+        pids = [int(p) for p in re.findall(r"pid (\d+)", text)]
+        assert len(pids) == 1 + 1 + 4, text  # router, embed, 2 ranges x 2 replicas
+        assert "layers 0-0" in text and "layers 1-1" in text
+        cmd = next(line.strip() for line in text.splitlines() if line.strip().startswith("larql generate"))
+        args = shlex.split(cmd)[1:]
+        args[args.index("--max-tokens") + 1] = "4"
+        r = larql(*args, "--json")
+        assert r.returncode == 0, r.stderr
+        local = larql("generate", "--vindex", str(tiny_models["llama"]), "--prompt", "The capital of France is",
+                      "--max-tokens", "4", "--json")
+        assert json.loads(r.stdout)["generated_ids"] == json.loads(local.stdout)["generated_ids"]
+        assert all(not _gone(p) for p in pids)
+        os.kill(proc.pid, signal.SIGINT)  # what Ctrl-C sends
+        assert proc.wait(timeout=60) == 0
+        deadline = time.monotonic() + 15
+        while not all(_gone(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert all(_gone(p) for p in pids), [p for p in pids if not _gone(p)]
+        rest = "".join(iter(lambda: q.get(timeout=5) or "", ""))
+        assert "stopped" in rest
+    finally:
+        if proc.poll() is None:  # the test failed midway: a clean stop first, so no role is left behind
+            os.kill(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=10)
+
+
+def test_grid_up_rejects_bad_counts(tiny_models):
+    r = subprocess.run(["larql-grid", "up", "--vindex", str(tiny_models["llama"]), "--shards", "5"],
+                       capture_output=True, text=True, timeout=60, env=child_env(), stdin=subprocess.DEVNULL)
+    assert r.returncode == 1 and "cannot split 2 layers into 5 shards" in r.stderr

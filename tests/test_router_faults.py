@@ -1,0 +1,89 @@
+"""Faults through the router with real processes (tiny model): a replica dies mid-generation, the
+only shard of a range dies, the router restarts. Every wait is bounded."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import numpy as np
+import pytest
+
+from app.client._build import build_remote
+from app.client.remote import RemoteError
+from app.model.forward import Transformer
+from app.wire import ffn as w
+from slicer.vindex import Vindex
+from tests._grid import Procs, free_port, remote_args, start_grid, wait_grid
+
+IDS = [2, 4, 5, 6]
+
+
+def _busiest(router_url: str, shards) -> object:
+    """The replica the router has been sending requests to."""
+    members = {m["url"]: m for m in httpx.get(router_url + "/v1/grid").json()["members"]}
+    return max(shards, key=lambda s: members.get(s.url, {}).get("requests", 0))
+
+
+def test_killing_one_of_two_replicas_mid_generation(tiny_models):
+    v = tiny_models["gemma3"]
+    want = list(Transformer.local(v).generate(IDS, 12, stop_ids=[]))
+    with Procs() as procs:
+        g = start_grid(procs, v, ["0-0", "1-1"], replicas=2)
+        remote = build_remote(Vindex.open(v), remote_args(ffn=g["router"].url))
+        out = []
+        victim = None
+        for i, tok in enumerate(remote.generate(IDS, 12, stop_ids=[])):
+            out.append(tok)
+            if i == 4:
+                victim = _busiest(g["router"].url, g["shards"]["0-0"])
+                victim.kill()
+        assert out == want
+        assert not victim.alive()
+        # The router notices: the dead replica is cooled down at once and evicted when its heartbeats stop.
+        view = wait_grid(g["router"].url, members=4, timeout=20)
+        assert victim.url not in [m["url"] for m in view["members"]]
+        assert view["coverage"] == [{"layers": "0-0", "replicas": 1}, {"layers": "1-1", "replicas": 2}]
+
+
+@pytest.mark.timeout(120)
+def test_killing_the_only_shard_of_a_range_is_a_clear_error_not_a_hang(tiny_models):
+    v = tiny_models["gemma3"]
+    with Procs() as procs:
+        g = start_grid(procs, v, ["0-0", "1-1"])
+        remote = build_remote(Vindex.open(v), remote_args(ffn=g["router"].url, retries=3, timeout=10))
+        gen = remote.generate(IDS, 50, stop_ids=[])
+        next(gen)
+        g["shards"]["1-1"][0].kill()
+        t0 = time.monotonic()
+        with pytest.raises(RemoteError) as err:
+            for _ in gen:
+                pass
+        elapsed = time.monotonic() - t0
+        msg = str(err.value)
+        assert "layer 1" in msg and "no live FFN shard" in msg, msg
+        assert elapsed < 30, f"took {elapsed:.1f}s to fail"  # bounded by retries x backoff, not by a hang
+        # The router keeps saying so, and names the gap once the member is evicted.
+        r = httpx.post(g["router"].url + "/v1/walk-ffn", content=w.encode_request(1, np.ones((1, 32), np.float32)))
+        assert r.status_code == 503 and "layer 1" in r.json()["error"]
+        view = wait_grid(g["router"].url, complete=False, members=2, timeout=20)
+        assert view["gaps"] == ["1-1"]
+
+
+def test_router_restart_members_rejoin_without_restarting(tiny_models):
+    v = tiny_models["gemma3"]
+    port = free_port()
+    with Procs() as procs:
+        g = start_grid(procs, v, ["0-0", "1-1"], router_port=port)
+        remote = build_remote(Vindex.open(v), remote_args(ffn=g["router"].url))
+        want = remote.next_logits(IDS)
+        member_pids = [s.popen.pid for grp in g["shards"].values() for s in grp]
+        g["router"].kill()
+        router2 = procs.router(*g["router_args"], port=port, name="router-2")
+        router2.wait_ready(30)
+        view = wait_grid(router2.url, embed=1, timeout=30)
+        assert view["complete"]
+        assert [s.popen.pid for grp in g["shards"].values() for s in grp] == member_pids
+        assert all(s.alive() for grp in g["shards"].values() for s in grp)
+        # The same client (same URL, same keep-alive pool) carries on.
+        np.testing.assert_array_equal(remote.next_logits(IDS), want)

@@ -1,0 +1,170 @@
+"""The router's registry on its own: joins, heartbeats, eviction, replica choice, coverage and gaps."""
+
+from __future__ import annotations
+
+import pytest
+
+from app.grid.layers import LayerRange, gaps, split_even
+from app.grid.protocol import Announce, Load, ProtocolError
+from app.router.registry import Conflict, Registry
+
+
+class Clock:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self):
+        return self.t
+
+
+def ann(url, start=0, end=3, cap="ffn", model="m", n=4, hidden=8):
+    return Announce.from_json({"capability": cap, "public_url": url, "model": model, "num_layers": n,
+                               "hidden_size": hidden, "layer_start": start, "layer_end": end, "vindex_hash": "h"})
+
+
+@pytest.fixture
+def reg():
+    clock = Clock()
+    r = Registry(heartbeat_interval=1.0, clock=clock)
+    r.clock_obj = clock
+    return r
+
+
+def test_join_heartbeat_and_eviction(reg):
+    a = reg.join(ann("http://a:1", 0, 1))
+    b = reg.join(ann("http://b:1", 2, 3))
+    assert reg.view()["complete"] and reg.view()["gaps"] == []
+    reg.clock_obj.t += 2.0
+    assert reg.heartbeat(Load(member_id=a.id, inflight=2, rss_bytes=5, layer_latency_ms={0: 1.5})) is a
+    assert a.reported_inflight == 2 and a.layer_latency_ms == {0: 1.5}
+    reg.clock_obj.t += 1.5  # b silent for 3.5 s > 3 intervals; a for 1.5 s
+    evicted = reg.evict_stale()
+    assert [m.id for m in evicted] == [b.id]
+    v = reg.view()
+    assert v["gaps"] == ["2-3"] and not v["complete"]
+    assert reg.heartbeat(Load(member_id=b.id)) is None  # the router forgot it: it must join again
+
+
+def test_rejoin_at_same_url_replaces(reg):
+    a1 = reg.join(ann("http://a:1"))
+    a2 = reg.join(ann("http://a:1"))
+    assert a1.id != a2.id and list(reg.members) == [a2.id]
+
+
+def test_leave(reg):
+    a = reg.join(ann("http://a:1"))
+    assert reg.leave(a.id) and not reg.leave(a.id)
+    assert reg.members == {}
+
+
+def test_model_mismatch_is_conflict(reg):
+    reg.join(ann("http://a:1"))
+    with pytest.raises(Conflict):
+        reg.join(ann("http://b:1", model="other"))
+    with pytest.raises(Conflict):
+        reg.join(ann("http://b:1", hidden=16))
+    with pytest.raises(Conflict):
+        reg.join(ann("http://b:1", end=5, n=6))
+
+
+def test_best_replica_and_failover(reg):
+    a = reg.join(ann("http://a:1"))
+    b = reg.join(ann("http://b:1"))
+    a.inflight = 3
+    assert reg.ffn_candidates(0)[0] is b  # less outstanding work wins
+    a.inflight = 0
+    reg.failed(b)
+    assert reg.ffn_candidates(0)[0] is a  # a member in cooldown goes last...
+    a.down_until = reg.clock_obj.t + 5
+    assert {m.id for m in reg.ffn_candidates(0)} == {a.id, b.id}  # ...but is still a last resort
+    reg.clock_obj.t += 10
+    reg.succeeded(b, 1.0)
+    assert b.consecutive_failures == 0 and b.available(reg.clock_obj.t)
+
+
+def test_ties_rotate_between_replicas(reg):
+    reg.join(ann("http://a:1"))
+    reg.join(ann("http://b:1"))
+    firsts = {reg.ffn_candidates(0)[0].url for _ in range(4)}
+    assert firsts == {"http://a:1", "http://b:1"}
+
+
+def test_cooldown_grows(reg):
+    a = reg.join(ann("http://a:1"))
+    reg.failed(a)
+    first = a.down_until - reg.clock_obj.t
+    reg.failed(a)
+    assert a.down_until - reg.clock_obj.t == pytest.approx(2 * first)
+
+
+def test_assign_groups_layers_on_few_members(reg):
+    reg.join(ann("http://a:1", 0, 1))
+    reg.join(ann("http://b:1", 2, 3))
+    groups, missing = reg.assign([0, 1, 2, 3, 1])
+    assert missing == []
+    by_url = {reg.members[mid].url: pos for mid, pos in groups.items()}
+    assert by_url == {"http://a:1": [0, 1, 4], "http://b:1": [2, 3]}
+    # Excluding the only member of 2-3 leaves those positions without a member: never zeros.
+    b = next(m for m in reg.members.values() if m.url == "http://b:1")
+    groups, missing = reg.assign([0, 2, 3], exclude=[b.id])
+    assert missing == [1, 2]
+
+
+def test_static_members_never_evicted(reg):
+    s = reg.add_static("ffn", "http://s:1/", LayerRange(0, 3))
+    reg.clock_obj.t += 1000
+    assert reg.evict_stale() == [] and s.url == "http://s:1"
+    assert reg.heartbeat(Load(member_id=s.id)) is None and not reg.leave(s.id)
+
+
+def test_embed_members(reg):
+    e = reg.join(ann("http://e:1", cap="embed"))
+    assert e.layers is None and not e.serves(0)
+    assert reg.embed_candidates() == [e] and reg.view()["embed"] == 1
+
+
+def test_coverage_runs(reg):
+    reg.join(ann("http://a:1", 0, 3))
+    reg.join(ann("http://b:1", 2, 3))
+    assert reg.view()["coverage"] == [{"layers": "0-1", "replicas": 1}, {"layers": "2-3", "replicas": 2}]
+
+
+@pytest.mark.parametrize(
+    "obj",
+    [
+        None, [], {}, {"capability": "gpu"},
+        {"capability": "ffn", "public_url": "http://a:1", "model": "m"},  # no layer range
+        {"capability": "ffn", "public_url": "http://a:1", "model": "m", "layer_start": 3, "layer_end": 1},
+        {"capability": "ffn", "public_url": "http://a:1", "model": "m", "layer_start": 0, "layer_end": 9, "num_layers": 4},
+        {"capability": "ffn", "public_url": "ftp://a:1", "model": "m", "layer_start": 0, "layer_end": 1},
+        {"capability": "ffn", "public_url": "http://a:1?x=1", "model": "m", "layer_start": 0, "layer_end": 1},
+        {"capability": "embed", "public_url": "http://a:1", "model": ""},
+        {"capability": "embed", "public_url": "http://a:1", "model": "m", "num_layers": "4"},
+        {"capability": "embed", "public_url": "http://a:1", "model": "m", "hidden_size": True},
+    ],
+)
+def test_bad_announcements(obj):
+    with pytest.raises(ProtocolError):
+        Announce.from_json(obj)
+
+
+@pytest.mark.parametrize(
+    "obj",
+    [None, {}, {"member_id": ""}, {"member_id": 5}, {"member_id": "a", "inflight": -1},
+     {"member_id": "a", "layer_latency_ms": {"x": 1}}, {"member_id": "a", "layer_latency_ms": {"1": -1}},
+     {"member_id": "a", "layer_latency_ms": [1]}],
+)
+def test_bad_heartbeats(obj):
+    with pytest.raises(ProtocolError):
+        Load.from_json(obj)
+
+
+def test_layer_helpers():
+    assert LayerRange.parse("0-8") == LayerRange(0, 8) and LayerRange.parse("3") == LayerRange(3, 3)
+    assert str(LayerRange(2, 5)) == "2-5" and len(LayerRange(2, 5)) == 4 and 5 in LayerRange(2, 5)
+    for bad in ("", "a-b", "5-2", "-1"):
+        with pytest.raises(ValueError):
+            LayerRange.parse(bad)
+    assert split_even(18, 2) == [LayerRange(0, 8), LayerRange(9, 17)]
+    assert split_even(5, 3) == [LayerRange(0, 1), LayerRange(2, 3), LayerRange(4, 4)]
+    assert [str(g) for g in gaps({0, 1, 4}, 7)] == ["2-3", "5-6"]
