@@ -48,3 +48,19 @@ def cached_vindex(source: str, level: str = "all", dtype: str = "f16", progress:
             extract(str(path), out, level=level, dtype=dtype, force=True, progress=progress, log=log)
     Vindex.open(out)
     return out
+
+
+def cached_slice(vindex: Path, preset: str) -> Path:
+    """A preset slice of a cached vindex, kept beside it (hard links: no extra disk)."""
+    from .slice import canonical_preset, slice_vindex
+
+    preset = canonical_preset(preset)
+    out = vindex.parent / f"{vindex.name}.slices" / preset
+    if (out / "index.json").is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f".{preset}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out / "index.json").is_file():
+            slice_vindex(vindex, out, preset=preset, force=True, log=lambda m: None)
+    return out

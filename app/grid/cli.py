@@ -27,30 +27,23 @@ from .supervisor import Supervisor, pick_ports, role_env
 ROLES = ("embed", "ffn", "client")
 
 
-def role_vindexes(model: str, vindex: str | None, log=print) -> dict[str, Path]:
-    """The vindex folder each role runs from.
+# The slicer preset each role runs from (DESIGN.md §1: the embed preset serves logits too).
+ROLE_PRESETS = {"embed": "embed", "ffn": "server", "client": "attn"}
 
-    Today every role uses one full vindex (the cached f16 extraction): each role loads only what it
-    needs from it. When per-role slices exist (``larql-slicer slice``: the ``embed``, ``ffn`` and
-    ``attn``/``client`` presets), this is the one place that maps a role to its slice.
+
+def role_vindexes(model: str, vindex: str | None, log=print) -> dict[str, Path]:
+    """The vindex folder each role runs from: its preset slice of the cached extraction.
+
+    A ``--vindex`` given by the user is used as it is for every role (each loads only what it needs).
     """
     if vindex:
         path = Path(vindex)
-    else:
-        from slicer.cache import cached_vindex
+        return {role: path for role in ROLES}
+    from slicer.cache import cached_slice, cached_vindex
 
-        log(f"larql-grid: preparing the {model} vindex (extracted once, then cached)...")
-        path = cached_vindex(model, level="all", dtype="f16", progress=True, log=log)
-    return {role: path for role in ROLES}
-
-
-def _embed_can_join() -> bool:
-    """Whether this larql-embed has the membership flags (otherwise it is registered statically)."""
-    try:
-        from ..embed.cli import build_parser
-    except ImportError:
-        return False
-    return any("--join" in a.option_strings for a in build_parser()._actions)
+    log(f"larql-grid: preparing the {model} vindex and its role slices (built once, then cached)...")
+    full = cached_vindex(model, level="all", dtype="f16", progress=True, log=log)
+    return {role: cached_slice(full, ROLE_PRESETS[role]) for role in ROLES}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -118,13 +111,9 @@ def up_command(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     try:
-        embed_joins = _embed_can_join()
-        embed_argv = ["larql-embed", str(paths["embed"]), "--port", str(embed_port), *common]
+        embed_argv = ["larql-embed", str(paths["embed"]), "--port", str(embed_port), *common,
+                      "--join", router_url, "--public-url", url(embed_port)]
         router_argv = ["larql-router", "--port", str(router_port), *common]
-        if embed_joins:
-            embed_argv += ["--join", router_url, "--public-url", url(embed_port)]
-        else:
-            router_argv += ["--embed", url(embed_port)]
         router = sup.start("router", router_argv, router_url)
         embed = sup.start("embed", embed_argv, url(embed_port))
         shards = []
