@@ -230,10 +230,21 @@ class Metrics:
 
         @app.after_server_start
         async def _start_flusher(app_, loop=None):
-            app_.add_task(_flush_periodically, name="metrics-flush")
+            import asyncio
+
+            # A plain task we cancel and await ourselves (Sanic warns about its own tasks at shutdown).
+            app_.ctx.metrics_flusher = asyncio.get_running_loop().create_task(_flush_periodically(app_))
 
         @app.before_server_stop
         async def _last_flush(app_, loop=None):
+            import asyncio
+            import contextlib
+
+            task = getattr(app_.ctx, "metrics_flusher", None)
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
             self.flush()
 
         @app.after_server_stop
