@@ -14,7 +14,7 @@ import pytest
 from slicer.errors import HubError, SliceError, VindexError
 from slicer.publish import default_family, default_model_title, publish, short_model_name
 from slicer.pull import pull, split_sibling_suffix
-from slicer.slice import DEFAULT_SLICES, slice_vindex
+from slicer.slice import DEFAULT_SLICES
 from slicer.vindex import Vindex, sha256_file, write_index
 
 REPO = "test-user/tiny-vindex"

@@ -9,36 +9,10 @@ round trips a token, that difference is a large share of a decode step.
 from __future__ import annotations
 
 import http.client
-import json as jsonlib
 import socket
-from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-
-class TransportError(Exception):
-    """No reply: the server could not be reached, the connection broke, or it timed out."""
-
-
-class ConnectFailed(TransportError):
-    pass
-
-
-class TimedOut(TransportError):
-    pass
-
-
-@dataclass
-class Reply:
-    status_code: int
-    headers: dict[str, str]  # lower-case names
-    content: bytes
-
-    def json(self):
-        return jsonlib.loads(self.content)
-
-    @property
-    def text(self) -> str:
-        return self.content.decode("utf-8", "replace")
+from ..h1 import ConnectFailed, Reply, TimedOut, TransportError
 
 
 class _Connection(http.client.HTTPConnection):

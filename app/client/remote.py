@@ -24,7 +24,8 @@ from ..grid.layers import LayerRange
 from ..wire import WireError
 from ..wire import embed as embed_wire
 from ..wire import ffn as ffn_wire
-from ._http import ConnectFailed, HttpClient, Reply, TimedOut, TransportError
+from ..h1 import Reply, TransportError, describe, error_text
+from ._http import HttpClient
 
 BACKOFF_FIRST_S = 0.1
 BACKOFF_MAX_S = 2.0
@@ -90,12 +91,12 @@ class Replicas:
             try:
                 r = self.client.request(method, url + path, content=content, headers=headers)
             except TransportError as e:
-                reasons.append(f"{url}: {_describe(e)}")
+                reasons.append(f"{url}: {describe(e)}")
             else:
                 if r.status_code < 400:
                     self._preferred[key] = url
                     return r
-                msg = _error_text(r)
+                msg = error_text(r)
                 if r.status_code < 500:
                     raise RemoteError(f"{self.what} {url}{path}{about}: HTTP {r.status_code}: {msg}")
                 reasons.append(f"{url}: HTTP {r.status_code} {msg}".rstrip())
@@ -180,21 +181,6 @@ class RemoteFfn:
 def make_client(timeout: float) -> HttpClient:
     # One keep-alive connection per server for all three tiers; decode makes ~20 requests a token.
     return HttpClient(timeout=timeout, connect_timeout=3.0)
-
-
-def _describe(e: TransportError) -> str:
-    if isinstance(e, ConnectFailed):
-        return "connection refused or unreachable"
-    if isinstance(e, TimedOut):
-        return "timed out"
-    return "connection lost"
-
-
-def _error_text(r: Reply) -> str:
-    try:
-        return str(r.json().get("error", ""))[:300]
-    except (ValueError, AttributeError):
-        return r.text[:200]
 
 
 def _dedupe(items: list[str]) -> list[str]:

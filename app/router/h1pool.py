@@ -10,39 +10,13 @@ and close-delimited bodies are handled too. (httpx remains for the non-hot membe
 from __future__ import annotations
 
 import asyncio
-import json as jsonlib
 import ssl
-from dataclasses import dataclass
 from functools import lru_cache
 from urllib.parse import urlsplit
 
+from ..h1 import ConnectFailed, ConnectionLost, Reply, TimedOut
+
 MAX_HEADER = 64 << 10
-
-
-class UpstreamError(Exception):
-    """The request did not produce a reply (connect, write, read or timeout)."""
-
-
-class ConnectFailed(UpstreamError):
-    pass
-
-
-class TimedOut(UpstreamError):
-    pass
-
-
-class ConnectionLost(UpstreamError):
-    pass
-
-
-@dataclass
-class Reply:
-    status_code: int
-    headers: dict[str, str]  # lower-case names
-    content: bytes
-
-    def json(self):
-        return jsonlib.loads(self.content)
 
 
 @lru_cache(maxsize=1024)

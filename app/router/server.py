@@ -13,7 +13,7 @@ from ..grid.identity import rss_bytes
 from ..http import install_error_envelope
 from ..metrics import Metrics
 from . import embed_proxy, grid_routes, walk
-from .h1pool import UpstreamError
+from ..h1 import TransportError
 from .registry import Registry
 from .upstream import Upstream
 
@@ -117,7 +117,7 @@ async def _probe_static(app: Sanic, registry: Registry) -> None:
             s = r.json()
             if not isinstance(s, dict):
                 raise ValueError("not an object")
-        except (UpstreamError, ValueError):
+        except (TransportError, ValueError):
             registry.failed(m)
             continue
         m.last_seen = registry.clock()

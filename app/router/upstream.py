@@ -10,7 +10,8 @@ from __future__ import annotations
 import logging
 import time
 
-from .h1pool import ConnectFailed, H1Pool, Reply, TimedOut, UpstreamError
+from ..h1 import Reply, TransportError, describe, error_text
+from .h1pool import H1Pool
 from .registry import Member, Registry
 
 log = logging.getLogger("larql.router")
@@ -44,9 +45,9 @@ class Upstream:
         t0 = time.perf_counter()
         try:
             r = await self.pool.request(method, url, content=content, headers=headers)
-        except UpstreamError as e:
+        except TransportError as e:
             self._failed(m, f"{type(e).__name__}")
-            raise MemberFailed(m, f"{m.url}: {_describe(e)}") from None
+            raise MemberFailed(m, f"{m.url}: {describe(e)}") from None
         finally:
             m.inflight -= 1
         dt = time.perf_counter() - t0
@@ -54,7 +55,7 @@ class Upstream:
             self.metrics.upstream.labels(m.capability).observe(dt)
         if r.status_code >= 500:
             self._failed(m, str(r.status_code))
-            raise MemberFailed(m, f"{m.url}: HTTP {r.status_code} {_error_text(r)}".rstrip())
+            raise MemberFailed(m, f"{m.url}: HTTP {r.status_code} {error_text(r, 200)}".rstrip())
         self.registry.succeeded(m, dt * 1e3)
         return r
 
@@ -73,16 +74,3 @@ def reply_headers(r: Reply) -> dict[str, str]:
     return {k: r.headers[k] for k in FORWARD_REPLY_HEADERS if k in r.headers and k != "content-type"}
 
 
-def _describe(e: UpstreamError) -> str:
-    if isinstance(e, ConnectFailed):
-        return "connection refused or unreachable"
-    if isinstance(e, TimedOut):
-        return "timed out"
-    return "connection lost"
-
-
-def _error_text(r: Reply) -> str:
-    try:
-        return str(r.json().get("error", ""))[:200]
-    except (ValueError, AttributeError):
-        return ""

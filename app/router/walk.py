@@ -19,7 +19,7 @@ from sanic.response import HTTPResponse, json, raw
 
 from ..errors import BadRequest, ServiceUnavailable, UnsupportedMediaType
 from ..wire import ffn as wire
-from .h1pool import Reply
+from ..h1 import Reply
 from .registry import Member, Registry
 from .upstream import MemberFailed, Upstream, forward_headers
 

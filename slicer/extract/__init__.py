@@ -10,7 +10,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from ..errors import SourceError
-from ..vindex import ATTN, DOWN, EMBEDDINGS, LM_HEAD, NORMS, TOKENIZER, UP, VindexWriter, level_rank, staged_output
+from ..vindex import ATTN, DOWN, LM_HEAD, NORMS, TOKENIZER, UP, VindexWriter, level_rank, staged_output
 from ._source import PACKAGED, ModelSource, open_source, resolve
 
 __all__ = ["extract", "open_source", "resolve", "PACKAGED", "ModelSource"]
