@@ -33,19 +33,27 @@ def source_digest(path: Path) -> str:
     return digest
 
 
+def _build_once(out: Path, build) -> Path:
+    """Make ``out`` with ``build(out)`` unless it is complete; concurrent callers build it once.
+
+    Several processes (pytest workers, grid roles) may ask at once: one builds, the rest wait on a
+    lock beside ``out`` and then find it complete. Builders write atomically (index.json last).
+    """
+    if not (out / "index.json").is_file():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with open(out.parent / f".{out.name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not (out / "index.json").is_file():
+                build(out)
+    return out
+
+
 def cached_vindex(source: str, level: str = "all", dtype: str = "f16", progress: bool = False, log=print) -> Path:
     """Path of a complete vindex for ``source`` (a packaged alias or GGUF path), extracting on first use."""
     kind, path = resolve(source)
     key = source_digest(path) if kind == "gguf" else Path(path).resolve().name
     out = cache_dir() / "vindex" / f"{key[:16]}-{level}-{dtype}"
-    if (out / "index.json").is_file():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    # Several processes (pytest workers, grid roles) may ask at once: one extracts, the rest wait.
-    with open(out.parent / f".{out.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (out / "index.json").is_file():
-            extract(str(path), out, level=level, dtype=dtype, force=True, progress=progress, log=log)
+    _build_once(out, lambda o: extract(str(path), o, level=level, dtype=dtype, force=True, progress=progress, log=log))
     Vindex.open(out)
     return out
 
@@ -56,11 +64,4 @@ def cached_slice(vindex: Path, preset: str) -> Path:
 
     preset = canonical_preset(preset)
     out = vindex.parent / f"{vindex.name}.slices" / preset
-    if (out / "index.json").is_file():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out.parent / f".{preset}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (out / "index.json").is_file():
-            slice_vindex(vindex, out, preset=preset, force=True, log=lambda m: None)
-    return out
+    return _build_once(out, lambda o: slice_vindex(vindex, o, preset=preset, force=True, log=lambda m: None))
