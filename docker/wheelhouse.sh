@@ -68,7 +68,10 @@ if [[ -f $STAMP && $(cat "$STAMP") == "$SRC_HASH" ]] && compgen -G "$OUTDIR/larq
 else
   log "building the larql-edge wheel (sources $SRC_HASH)"
   rm -f "$OUTDIR"/larql_edge-*.whl
-  "$PYTHON" -m pip wheel --quiet --no-deps --wheel-dir "$OUTDIR" "$SRC" || die "building the larql-edge wheel failed"
+  # A fixed SOURCE_DATE_EPOCH makes the wheel byte-identical for identical sources (the zip entry
+  # times would be the checkout's file times): a fresh clone of the same commit then hits the
+  # image build cache instead of rebuilding the role images and re-extracting the model.
+  SOURCE_DATE_EPOCH=${SOURCE_DATE_EPOCH:-315532800} "$PYTHON" -m pip wheel --quiet --no-deps --wheel-dir "$OUTDIR" "$SRC" || die "building the larql-edge wheel failed"
   echo "$SRC_HASH" >"$STAMP"
 fi
 PROJECT_WHEEL=$(ls -t "$OUTDIR"/larql_edge-*.whl | head -n1)
