@@ -15,29 +15,31 @@ import time
 
 from slicer.errors import LarqlError
 
+from ..config import Flags
 from ..errors import AppError
 from ._build import add_model_flags, build_model
 from ._stream import TextStream
 
 
-def _common(p: argparse.ArgumentParser) -> None:
+def _common(p: argparse.ArgumentParser) -> Flags:
     add_model_flags(p)
-    p.add_argument("--prompt", required=True, help="the prompt text")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
+    f = Flags(p)
+    f.add("--prompt", default=None, help="the prompt text (required)")
+    f.switch("--json", help="machine-readable output")
+    return f
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="larql", description="Run a LARQL vindex: next-token prediction and generation.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     p = sub.add_parser("predict", help="top-k next tokens with probabilities")
-    _common(p)
-    p.add_argument("--top-k", type=int, default=10, help="how many candidates (default 10)")
+    _common(p).add("--top-k", type=int, default=10, help="how many candidates")
     p.set_defaults(func=predict)
     g = sub.add_parser("generate", help="stream generated tokens (KV cache; stops at EOS)")
-    _common(g)
-    g.add_argument("--max-tokens", type=int, default=32, help="at most this many new tokens (default 32)")
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
-    g.add_argument("--seed", type=int, default=None, help="sampling seed, for reproducible runs")
+    f = _common(g)
+    f.add("--max-tokens", type=int, default=32, help="at most this many new tokens")
+    f.add("--temperature", type=float, default=0.0, help="0 = greedy; > 0 samples")
+    f.add("--seed", type=int, default=None, help="sampling seed, for reproducible runs")
     g.set_defaults(func=generate)
     return parser
 
@@ -101,6 +103,8 @@ def generate(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if not args.prompt:
+        parser.error("--prompt is required (or set LARQL_PROMPT)")
     try:
         return int(args.func(args) or 0)
     except (LarqlError, AppError) as e:
