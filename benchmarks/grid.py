@@ -110,7 +110,13 @@ def main() -> int:
         print(s, flush=True)
         lines.append(s)
 
-    vindex = role_vindexes(args.model, args.vindex, log=lambda m: None)["ffn"]
+    paths = role_vindexes(args.model, args.vindex, log=lambda m: None)  # each role runs from its slice
+    if args.vindex:
+        vindex = Path(args.vindex)
+    else:
+        from slicer.cache import cached_vindex
+
+        vindex = cached_vindex(args.model, dtype="f16", log=lambda m: None)  # the local baseline: the whole model
     n_layers = Vindex.open(vindex).num_layers
     ranges = split_even(n_layers, 2)
     host = "127.0.0.1"
@@ -120,17 +126,11 @@ def main() -> int:
     url = lambda p: f"http://{host}:{p}"  # noqa: E731
     common = ["--host", host, "--blas-threads", "1"]
     try:
-        from app.grid.cli import _embed_can_join
-
         router_argv = ["larql-router", "--port", str(rp), *common]
-        embed_argv = ["larql-embed", str(vindex), "--port", str(ep), *common]
-        if _embed_can_join():
-            embed_argv += ["--join", url(rp)]
-        else:
-            router_argv += ["--embed", url(ep)]
+        embed_argv = ["larql-embed", str(paths["embed"]), "--port", str(ep), *common, "--join", url(rp)]
         router = sup.start("router", router_argv, url(rp))
         embed = sup.start("embed", embed_argv, url(ep))
-        shards = [sup.start(f"ffn-{r}", ["larql-ffn", str(vindex), "--layers", str(r), "--port", str(p), *common,
+        shards = [sup.start(f"ffn-{r}", ["larql-ffn", str(paths["ffn"]), "--layers", str(r), "--port", str(p), *common,
                                          "--join", url(rp)], url(p), layers=str(r)) for r, p in zip(ranges, sp)]
         deadline = time.monotonic() + 900
         sup.wait_ready(sup.roles, deadline)
@@ -138,8 +138,8 @@ def main() -> int:
             time.sleep(0.2)
 
         local = Transformer.local(vindex)
-        grid = build_remote(Vindex.open(vindex), remote_args(ffn=router.url))
-        direct = build_remote(Vindex.open(vindex), remote_args(
+        grid = build_remote(Vindex.open(paths["client"]), remote_args(ffn=router.url))
+        direct = build_remote(Vindex.open(paths["client"]), remote_args(
             ffn=",".join(f"{s.info['layers']}={s.url}" for s in shards), embed=embed.url))
         from app.client._build import load_tokenizer
 
@@ -212,7 +212,7 @@ def main() -> int:
             proc = psutil.Process(r.pid)
             rss = sum(p.memory_info().rss for p in [proc, *proc.children(recursive=True)])
             say(f"  {r.name:12s} {rss / 2**20:8.1f}")
-        say(f"  {'client':12s} {client_rss_mb(vindex, router.url):8.1f}   (attention-only, one prediction)")
+        say(f"  {'client':12s} {client_rss_mb(paths["client"], router.url):8.1f}   (attention-only, one prediction)")
         say(f"  {'local':12s} {psutil.Process().memory_info().rss / 2**20:8.1f}   (this benchmark process: the whole model + the clients)")
     finally:
         sup.stop_all()
