@@ -212,7 +212,7 @@ def main() -> int:
             proc = psutil.Process(r.pid)
             rss = sum(p.memory_info().rss for p in [proc, *proc.children(recursive=True)])
             say(f"  {r.name:12s} {rss / 2**20:8.1f}")
-        say(f"  {'client':12s} {client_rss_mb(paths["client"], router.url):8.1f}   (attention-only, one prediction)")
+        say(f"  {'client':12s} {client_rss_mb(paths['client'], router.url):8.1f}   (attention-only, one prediction)")
         say(f"  {'local':12s} {psutil.Process().memory_info().rss / 2**20:8.1f}   (this benchmark process: the whole model + the clients)")
     finally:
         sup.stop_all()
