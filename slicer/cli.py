@@ -29,17 +29,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+def run_command(prog: str, args: argparse.Namespace, errors: tuple[type[Exception], ...] = (LarqlError,)) -> int:
+    """Run a parsed subcommand of any larql CLI: an expected error is one line on stderr and exit 1
+    (never a traceback), Ctrl-C is exit 130."""
     try:
         return int(args.func(args) or 0)
-    except LarqlError as e:
-        print(f"larql-slicer {args.command}: error: {e}", file=sys.stderr)
+    except errors as e:
+        print(f"{prog} {args.command}: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print(f"larql-slicer {args.command}: interrupted", file=sys.stderr)
+        print(f"\n{prog} {args.command}: interrupted", file=sys.stderr)
         return 130
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_command("larql-slicer", build_parser().parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import math
 import sys
 import time
 
+from slicer.cli import run_command
 from slicer.errors import LarqlError
 
 from ..config import Flags
@@ -105,14 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not args.prompt:
         parser.error("--prompt is required (or set LARQL_PROMPT)")
-    try:
-        return int(args.func(args) or 0)
-    except (LarqlError, AppError) as e:
-        print(f"larql {args.command}: error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print(f"\nlarql {args.command}: interrupted", file=sys.stderr)
-        return 130
+    return run_command("larql", args, errors=(LarqlError, AppError))
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+from slicer.cli import run_command
 from slicer.errors import LarqlError
 
 from ..config import Flags
@@ -178,15 +179,7 @@ def _print_ready(client_vindex: Path, router, embed, shards, seconds: float) -> 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        return int(args.func(args) or 0)
-    except LarqlError as e:
-        print(f"larql-grid {args.command}: error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        return 130
+    return run_command("larql-grid", build_parser().parse_args(argv))
 
 
 if __name__ == "__main__":
