@@ -37,6 +37,8 @@ import httpx  # noqa: E402
 import numpy as np  # noqa: E402
 
 from tests._edge import NginxEdge, VarnishEdge, require_program  # noqa: E402
+
+from _proc import tree_cpu  # noqa: E402  (benchmarks/ is the script's folder)
 from tests._servers import running_server  # noqa: E402
 
 BINARY = "application/x-larql-ffn"
@@ -74,21 +76,6 @@ http {{
     }}
 }}
 """
-
-
-def tree_cpu(pid: int) -> float:
-    """CPU seconds (user + system) used so far by a process and its children."""
-    import psutil
-
-    root = psutil.Process(pid)
-    total = 0.0
-    for p in [root, *root.children(recursive=True)]:
-        try:
-            t = p.cpu_times()
-            total += t.user + t.system
-        except psutil.NoSuchProcess:
-            pass
-    return total
 
 
 def wrk(url: str, threads: int, connections: int, duration: int, pid: int | None = None) -> dict:

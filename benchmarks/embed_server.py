@@ -41,6 +41,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from tests._servers import ServerProcess, console_script, free_port  # noqa: E402
+from _proc import tree_cpu  # noqa: E402  (benchmarks/ is the script's folder)
 
 BIN = "application/x-larql-ffn"
 PRESET = ("index.json", "embeddings.bin", "tokenizer.json", "weight_manifest.json", "norms.bin", "lm_head.bin")
@@ -114,30 +115,11 @@ if __name__ == "__main__":
 """
 
 
-def cpu_seconds(pid: int) -> float:
-    """CPU time of a process and all its descendants (a server's workers)."""
-    import psutil
-
-    try:
-        root = psutil.Process(pid)
-        procs = [root] + root.children(recursive=True)
-    except psutil.NoSuchProcess:
-        return 0.0
-    total = 0.0
-    for p in procs:
-        try:
-            t = p.cpu_times()
-            total += t.user + t.system
-        except psutil.NoSuchProcess:
-            pass
-    return total
-
-
 def wrk_cpu(pid: int, url: str, duration: float, conns: int, script: Path | None = None) -> tuple[float, float]:
     """(requests/s, server CPU microseconds per request) of one wrk run."""
-    c0 = cpu_seconds(pid)
+    c0 = tree_cpu(pid)
     rps = wrk(url, duration, conns, script)
-    used = cpu_seconds(pid) - c0
+    used = tree_cpu(pid) - c0
     return rps, used * 1e6 / max(1.0, rps * duration)
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer
 
-from slicer.extract._gguf_tokenizer import read_gguf_metadata, tokenizer_from_gguf
+from slicer.extract._gguf_tokenizer import _bytes_to_unicode, read_gguf_metadata, tokenizer_from_gguf
 
 GOLDEN_DIR = Path(__file__).parent / "data" / "golden"
 
@@ -96,20 +96,8 @@ def _gemma_meta() -> dict:
     }
 
 
-def _byte_level_alphabet() -> list[str]:
-    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return [chr(c) for _, c in sorted(zip(bs, cs))]
-
-
 def _gpt2_meta(pre: str = "smollm") -> dict:
-    alphabet = _byte_level_alphabet()
+    alphabet = [c for _, c in sorted(_bytes_to_unicode().items())]
     merges = ["h e", "l l", "ll o", "he llo", "Ġ w", "o r", "Ġw or", "l d", "Ġwor ld", "1 2"]
     merged = ["he", "ll", "llo", "hello", "Ġw", "or", "Ġwor", "ld", "Ġworld", "12"]
     tokens = ["<|endoftext|>", "<|im_start|>"] + alphabet + merged
