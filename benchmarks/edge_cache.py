@@ -136,7 +136,7 @@ def ideal_hits(warm: np.ndarray, measured: np.ndarray) -> int:
 
 
 def default_vindex() -> Path:
-    from slicer.cache import cached_vindex
+    from larql_edge.tools.slicer.cache import cached_vindex
 
     return cached_vindex("gemma3-270m", level="all", dtype="f16", log=lambda m: None)
 

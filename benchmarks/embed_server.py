@@ -67,7 +67,7 @@ def embed_preset(src: Path, dst: Path) -> Path:
 
 def start(vindex: Path, cache: Path, *extra: str) -> tuple[ServerProcess, float]:
     port = free_port()
-    argv = console_script("larql-embed", "app.embed.cli") + [
+    argv = console_script("larql-embed", "larql_edge.roles.embed.cli") + [
         f"model={vindex}", "--host", "127.0.0.1", "--port", str(port), "--lm-head-cache", str(cache),
         "--blas-threads", "1", *extra,
     ]  # fmt: skip
@@ -250,8 +250,8 @@ def _lm_head(srv: ServerProcess, vindex: Path) -> np.ndarray:
     if path:  # the very file the server multiplies by
         w = np.memmap(path, dtype="<f4", mode="r", shape=(vocab, hidden))
     else:
-        from app.model.weights import lm_head_matrix
-        from slicer.vindex import Vindex
+        from larql_edge.model.weights import lm_head_matrix
+        from larql_edge.format.vindex import Vindex
 
         w = np.ascontiguousarray(lm_head_matrix(Vindex.open(vindex)), dtype=np.float32)
     return w
@@ -350,7 +350,7 @@ def natural_text() -> tuple[str, str]:
 
 
 def hot_cache_hit_rate(srv: ServerProcess, vocab: int) -> None:
-    from app.embed.store import HotCache
+    from larql_edge.roles.embed.store import HotCache
 
     text, source = natural_text()
     ids = httpx.post(srv.url + "/v1/token/encode", json={"text": text}, timeout=60).json()["token_ids"]
@@ -391,7 +391,7 @@ def main() -> int:
     if args.vindex:
         full = Path(args.vindex)
     else:
-        from slicer.cache import cached_vindex
+        from larql_edge.tools.slicer.cache import cached_vindex
 
         full = cached_vindex("gemma3-270m", level="all", dtype="f16", log=lambda m: None)
     work = Path(tempfile.mkdtemp(prefix="bench-embed-"))

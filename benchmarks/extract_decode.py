@@ -17,9 +17,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 
-from app.model.forward import Transformer  # noqa: E402
-from slicer.cache import cached_vindex  # noqa: E402
-from slicer.extract import extract  # noqa: E402
+from larql_edge.model.forward import Transformer  # noqa: E402
+from larql_edge.tools.slicer.cache import cached_vindex  # noqa: E402
+from larql_edge.tools.slicer.extract import extract  # noqa: E402
 
 
 def main() -> None:

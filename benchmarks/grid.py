@@ -30,14 +30,14 @@ from threadpoolctl import threadpool_limits  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from app.client._build import build_remote  # noqa: E402
-from app.grid.cli import role_vindexes  # noqa: E402
-from app.grid.layers import split_even  # noqa: E402
-from app.grid.supervisor import Supervisor, pick_ports, role_env  # noqa: E402
-from app.model.forward import Transformer  # noqa: E402
-from app.wire import embed as ew  # noqa: E402
-from app.wire import ffn as fw  # noqa: E402
-from slicer.vindex import Vindex  # noqa: E402
+from larql_edge.roles.client._build import build_remote  # noqa: E402
+from larql_edge.tools.grid.cli import role_vindexes  # noqa: E402
+from larql_edge.format.layers import split_even  # noqa: E402
+from larql_edge.tools.grid.supervisor import Supervisor, pick_ports, role_env  # noqa: E402
+from larql_edge.model.forward import Transformer  # noqa: E402
+from larql_edge.wire import embed as ew  # noqa: E402
+from larql_edge.wire import ffn as fw  # noqa: E402
+from larql_edge.format.vindex import Vindex  # noqa: E402
 
 TEXT = ("The history of the city begins with a small settlement on the river, where fishermen and traders met "
         "to exchange goods. Over the centuries it grew into a busy port, then a capital, and today it is known "
@@ -81,8 +81,8 @@ def client_rss_mb(vindex: Path, router: str) -> float:
     """Peak RSS of an attention-only client process running one prediction through the grid."""
     code = (
         "import argparse, psutil\n"
-        "from app.client._build import build_remote\n"
-        "from slicer.vindex import Vindex\n"
+        "from larql_edge.roles.client._build import build_remote\n"
+        "from larql_edge.format.vindex import Vindex\n"
         f"m = build_remote(Vindex.open({str(vindex)!r}), argparse.Namespace(embed=None, ffn={router!r}, "
         "ffn_f16=False, timeout=120.0, retries=2))\n"
         "m.next_logits([2, 818, 5279, 529, 7001, 563])\n"
@@ -114,7 +114,7 @@ def main() -> int:
     if args.vindex:
         vindex = Path(args.vindex)
     else:
-        from slicer.cache import cached_vindex
+        from larql_edge.tools.slicer.cache import cached_vindex
 
         vindex = cached_vindex(args.model, dtype="f16", log=lambda m: None)  # the local baseline: the whole model
     n_layers = Vindex.open(vindex).num_layers
@@ -141,7 +141,7 @@ def main() -> int:
         grid = build_remote(Vindex.open(paths["client"]), remote_args(ffn=router.url))
         direct = build_remote(Vindex.open(paths["client"]), remote_args(
             ffn=",".join(f"{s.info['layers']}={s.url}" for s in shards), embed=embed.url))
-        from app.client._build import load_tokenizer
+        from larql_edge.roles.client._build import load_tokenizer
 
         tok = load_tokenizer(Vindex.open(vindex))
         prompt = tok.encode("The capital of France is").ids
@@ -180,11 +180,11 @@ def main() -> int:
         x = np.random.default_rng(0).standard_normal((1, hidden)).astype(np.float32)
         body = fw.encode_request(0, x)
         h = {"content-type": fw.CONTENT_TYPE}
-        from app.client._http import HttpClient
+        from larql_edge.service.h1_sync import HttpClient
 
         c = HttpClient()  # the client's own transport: per-hop figures are what decode pays
         w0 = local.ffn_provider.layers[0]
-        from app.model.forward import ffn_compute
+        from larql_edge.model.forward import ffn_compute
 
         compute = median_ms(lambda: ffn_compute(w0, x, local.ffn_provider.act, local.backend))
         shard_ms = median_ms(lambda: c.request("POST", shards[0].url + "/v1/walk-ffn", content=body, headers=h))

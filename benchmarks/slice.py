@@ -15,8 +15,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from slicer.cache import cached_vindex  # noqa: E402
-from slicer.slice import PRESETS, slice_vindex  # noqa: E402
+from larql_edge.tools.slicer.cache import cached_vindex  # noqa: E402
+from larql_edge.tools.slicer.slice import PRESETS, slice_vindex  # noqa: E402
 
 
 def main() -> None:

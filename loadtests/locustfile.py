@@ -23,8 +23,8 @@ from locust import HttpUser, between, events, task
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from app.wire import embed as embed_wire  # noqa: E402
-from app.wire import ffn as ffn_wire  # noqa: E402
+from larql_edge.wire import embed as embed_wire  # noqa: E402
+from larql_edge.wire import ffn as ffn_wire  # noqa: E402
 
 SHAPE: dict[str, int] = {}
 

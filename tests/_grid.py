@@ -28,7 +28,7 @@ def free_port() -> int:
 
 def child_env(**extra: str) -> dict[str, str]:
     """The environment of a started role: hermetic (no stray LARQL_* flag twins), 1 BLAS thread."""
-    from app.grid.supervisor import role_env
+    from larql_edge.tools.grid.supervisor import role_env
 
     return role_env(dict(os.environ), OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
                     PYTHONUNBUFFERED="1", **extra)
@@ -162,10 +162,10 @@ class StubEmbed:
         import threading
         from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-        from app.model.forward import LocalEmbed, LocalHead
-        from app.model.spec import ModelSpec
-        from app.wire import embed as ew
-        from slicer.vindex import Vindex
+        from larql_edge.model.forward import LocalEmbed, LocalHead
+        from larql_edge.model.spec import ModelSpec
+        from larql_edge.wire import embed as ew
+        from larql_edge.format.vindex import Vindex
 
         vx = Vindex.open(vindex)
         spec = ModelSpec.from_index(vx.index)

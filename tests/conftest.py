@@ -27,8 +27,8 @@ def golden():
 
 
 def _real_vindex(alias: str, dtype: str) -> Path:
-    from slicer.cache import cached_vindex
-    from slicer.errors import SourceError
+    from larql_edge.tools.slicer.cache import cached_vindex
+    from larql_edge.tools.slicer.errors import SourceError
 
     try:
         return cached_vindex(alias, level="all", dtype=dtype, log=lambda m: None)
@@ -61,7 +61,7 @@ def smol_f16() -> Path:
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> dict[str, Path]:
     """Tiny random HF folders for each family, and their extracted f32 vindexes."""
-    from slicer.extract import extract
+    from larql_edge.tools.slicer.extract import extract
     from tests.tinymodel import make_tiny_model
 
     root = tmp_path_factory.mktemp("tiny")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from app.backend import default_backend_name, get_backend
-from app.model.forward import Transformer
+from larql_edge.model.backend import default_backend_name, get_backend
+from larql_edge.model.forward import Transformer
 from tests.tinymodel import reference_logits
 
 IDS = [2, 4, 5, 6, 7, 8, 9, 10]

@@ -1,7 +1,7 @@
 """The embed server over HTTP, on tiny vindexes reduced to the ``embed`` preset (the fast tier).
 
 The server is the real console script in a subprocess; the expected values come from the vindex
-itself (table x embed_scale) and from `app.model.forward.LocalHead` (final norm, lm_head, softcap).
+itself (table x embed_scale) and from `larql_edge.model.forward.LocalHead` (final norm, lm_head, softcap).
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ import httpx
 import numpy as np
 import pytest
 
-from app.model import ops
-from app.model.forward import LocalHead
-from app.model.spec import ModelSpec
-from slicer.vindex import Vindex
+from larql_edge.model import ops
+from larql_edge.model.forward import LocalHead
+from larql_edge.model.spec import ModelSpec
+from larql_edge.format.vindex import Vindex
 from tests._servers import console_script, running_server
 
 BIN = "application/x-larql-ffn"
@@ -45,7 +45,7 @@ def embed_preset(src: Path, dst: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def presets(tiny_models, tmp_path_factory):
-    from slicer.extract import extract
+    from larql_edge.tools.slicer.extract import extract
 
     root = tmp_path_factory.mktemp("embed-presets")
     gemma_f16 = root / "gemma3-f16.vindex"
@@ -64,7 +64,7 @@ def srv(presets):
         "--blas-threads", "1", "--max-tokens", "16", "--max-body", "4096", "--max-top-k", "20",
         "--batch-wait-ms", "20", "--hot-cache", "8", "--lm-head-cache", str(presets["root"] / "lm-head"),
     ]  # fmt: skip
-    with running_server("larql-embed", args, module="app.embed.cli", timeout=120) as s:
+    with running_server("larql-embed", args, module="larql_edge.roles.embed.cli", timeout=120) as s:
         s.client = httpx.Client(base_url=s.url, timeout=30)
         yield s
         s.client.close()
@@ -108,7 +108,7 @@ def test_refuses_a_folder_missing_preset_files(presets, tmp_path):
     shutil.copytree(presets["gemma"], broken)
     (broken / "norms.bin").unlink()
     (broken / "tokenizer.json").unlink()
-    r = subprocess.run(console_script("larql-embed", "app.embed.cli") + [str(broken), "--port", "1"], capture_output=True, text=True, timeout=60)
+    r = subprocess.run(console_script("larql-embed", "larql_edge.roles.embed.cli") + [str(broken), "--port", "1"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2
     assert "tokenizer.json" in r.stderr and "norm" in r.stderr
 
@@ -331,8 +331,8 @@ def test_models_and_routing(srv, ref):
 def test_openapi_is_served_committed_and_complete(srv):
     served = srv.client.get("/openapi.json").json()
     committed = json.loads((REPO / "openapi" / "embed.json").read_text())
-    assert served == committed, "regenerate: python -m app.embed.openapi > openapi/embed.json"
-    from app.embed.openapi import openapi_spec
+    assert served == committed, "regenerate: python -m larql_edge.roles.embed.openapi > openapi/embed.json"
+    from larql_edge.roles.embed.openapi import openapi_spec
 
     assert openapi_spec() == committed
     documented = {p.replace("{", "<").replace("}", ">") for p in committed["paths"]}
@@ -347,9 +347,9 @@ def test_openapi_is_served_committed_and_complete(srv):
 
 
 def test_app_routes_match_the_openapi_paths(presets):
-    from app.embed.app import create_app
-    from app.embed.config import EmbedConfig, ModelSource
-    from app.embed.openapi import openapi_spec
+    from larql_edge.roles.embed.app import create_app
+    from larql_edge.roles.embed.config import EmbedConfig, ModelSource
+    from larql_edge.roles.embed.openapi import openapi_spec
     from sanic import Sanic
 
     Sanic.test_mode = True
@@ -471,7 +471,7 @@ def test_metrics_count_what_was_served(srv):
 def test_metrics_add_up_across_workers(presets):
     """Two workers answer from one port; /metrics on either reports the requests of both."""
     args = [f"llama={presets['llama']}", "--workers", "2", "--blas-threads", "1", "--lm-head-cache", ""]
-    with running_server("larql-embed", args, module="app.embed.cli", timeout=120) as s, httpx.Client(base_url=s.url) as c:
+    with running_server("larql-embed", args, module="larql_edge.roles.embed.cli", timeout=120) as s, httpx.Client(base_url=s.url) as c:
         pids = set()
         for _ in range(200):  # new connections spread over the workers: wait until both are ready
             with httpx.Client(base_url=s.url) as one:

@@ -11,14 +11,14 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from app.embed import requests as rq
-from app.embed.batcher import LogitsBatcher
-from app.embed.caching import CACHE_CONTROL, cache_headers, none_match
-from app.embed.head import log_normaliser, top_k_ids
-from app.embed.store import EmbeddingStore, HotCache
-from app.errors import BadRequest, NotAcceptable, PayloadTooLarge
-from app.wire import WireError
-from app.wire import embed as wire
+from larql_edge.roles.embed import requests as rq
+from larql_edge.roles.embed.batcher import LogitsBatcher
+from larql_edge.roles.embed.caching import CACHE_CONTROL, cache_headers, none_match
+from larql_edge.roles.embed.head import log_normaliser, top_k_ids
+from larql_edge.roles.embed.store import EmbeddingStore, HotCache
+from larql_edge.errors import BadRequest, NotAcceptable, PayloadTooLarge
+from larql_edge.wire import WireError
+from larql_edge.wire import embed as wire
 
 # -- wire -------------------------------------------------------------------------------------------
 
@@ -271,7 +271,7 @@ def test_value_validation():
 
 
 def test_every_flag_has_an_env_twin(monkeypatch, tiny_models):
-    from app.embed.cli import _sources, build_parser, config_from_args
+    from larql_edge.roles.embed.cli import _sources, build_parser, config_from_args
 
     monkeypatch.setenv("LARQL_HOT_CACHE", "123")
     monkeypatch.setenv("LARQL_BATCH_WAIT_MS", "7.5")
@@ -293,7 +293,7 @@ def test_every_flag_has_an_env_twin(monkeypatch, tiny_models):
 
 
 def test_metrics_helper_in_process():
-    from app.metrics import Metrics
+    from larql_edge.service.metrics import Metrics
 
     m = Metrics("unit_role")
     m.observe_request("/v1/x", "GET", 200, 20e-6, None)
@@ -309,7 +309,7 @@ def test_metrics_helper_in_process():
 
 _MP_WRITER = """
 import os, sys
-from app.metrics import Metrics
+from larql_edge.service.metrics import Metrics
 m = Metrics("mp_role")
 for _ in range(int(sys.argv[1])):
     m.observe_request("/r", "GET", 200, 0.002, None)
@@ -317,7 +317,7 @@ m.counter("widgets", "widgets made").inc(2)
 m.flush()
 """
 _MP_READER = """
-from app.metrics import Metrics
+from larql_edge.service.metrics import Metrics
 print(Metrics("mp_role").render().decode())
 """
 

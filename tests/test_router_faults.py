@@ -9,11 +9,11 @@ import httpx
 import numpy as np
 import pytest
 
-from app.client._build import build_remote
-from app.client.remote import RemoteError
-from app.model.forward import Transformer
-from app.wire import ffn as w
-from slicer.vindex import Vindex
+from larql_edge.roles.client._build import build_remote
+from larql_edge.roles.client.remote import RemoteError
+from larql_edge.model.forward import Transformer
+from larql_edge.wire import ffn as w
+from larql_edge.format.vindex import Vindex
 from tests._grid import Procs, free_port, remote_args, start_grid, wait_grid
 
 IDS = [2, 4, 5, 6]

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from app.grid.layers import LayerRange, gaps, split_even
-from app.grid.protocol import Announce, Load, ProtocolError
-from app.router.registry import Conflict, Registry
+from larql_edge.format.layers import LayerRange, gaps, split_even
+from larql_edge.wire.grid import Announce, Load, ProtocolError
+from larql_edge.roles.router.registry import Conflict, Registry
 
 
 class Clock:

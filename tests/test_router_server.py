@@ -9,11 +9,11 @@ import httpx
 import numpy as np
 import pytest
 
-from app.model.forward import LocalFfn
-from app.model.spec import ModelSpec
-from app.wire import embed as ew
-from app.wire import ffn as w
-from slicer.vindex import Vindex
+from larql_edge.model.forward import LocalFfn
+from larql_edge.model.spec import ModelSpec
+from larql_edge.wire import embed as ew
+from larql_edge.wire import ffn as w
+from larql_edge.format.vindex import Vindex
 from tests._grid import GRID_KEY, Procs, StubEmbed, wait_grid
 
 H = 32

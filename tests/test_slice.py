@@ -10,9 +10,9 @@ import sys
 
 import pytest
 
-from slicer.errors import SliceError, VindexError
-from slicer.slice import PRESETS, resolve_parts, slice_vindex
-from slicer.vindex import Vindex
+from larql_edge.tools.slicer.errors import SliceError, VindexError
+from larql_edge.tools.slicer.slice import PRESETS, resolve_parts, slice_vindex
+from larql_edge.format.vindex import Vindex
 
 EXPECTED = {
     "client": {"embeddings.bin", "norms.bin", "attn_weights.bin", "tokenizer.json", "weight_manifest.json"},
@@ -99,7 +99,7 @@ def test_refusals(tiny_models, tmp_path):
 
 def test_cli_dry_run_writes_nothing_and_prints_plan(tiny_models, tmp_path):
     dst = tmp_path / "dry"
-    r = subprocess.run([sys.executable, "-m", "slicer.cli", "slice", str(tiny_models["llama"]), "-o", str(dst),
+    r = subprocess.run([sys.executable, "-m", "larql_edge.tools.slicer.cli", "slice", str(tiny_models["llama"]), "-o", str(dst),
                         "--preset", "embed", "--dry-run"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert not dst.exists()
@@ -109,13 +109,13 @@ def test_cli_dry_run_writes_nothing_and_prints_plan(tiny_models, tmp_path):
 
 def test_cli_output_and_errors(tiny_models, tmp_path):
     dst = tmp_path / "s"
-    r = subprocess.run([sys.executable, "-m", "slicer.cli", "slice", str(tiny_models["llama"]), "-o", str(dst),
+    r = subprocess.run([sys.executable, "-m", "larql_edge.tools.slicer.cli", "slice", str(tiny_models["llama"]), "-o", str(dst),
                         "--preset", "attn"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and "linked" in r.stdout and "all -> attention" in r.stdout
-    r = subprocess.run([sys.executable, "-m", "slicer.cli", "slice", str(tiny_models["llama"]), "-o", str(dst),
+    r = subprocess.run([sys.executable, "-m", "larql_edge.tools.slicer.cli", "slice", str(tiny_models["llama"]), "-o", str(dst),
                         "--preset", "attn"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 1 and "--force" in r.stderr and "Traceback" not in r.stderr
-    r = subprocess.run([sys.executable, "-m", "slicer.cli", "slice", str(tiny_models["llama"]), "-o", str(tmp_path / "z"),
+    r = subprocess.run([sys.executable, "-m", "larql_edge.tools.slicer.cli", "slice", str(tiny_models["llama"]), "-o", str(tmp_path / "z"),
                         "--parts", "embed,bogus"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 1 and "unknown part 'bogus'" in r.stderr
     assert json.loads((dst / "index.json").read_text())["extract_level"] == "attention"

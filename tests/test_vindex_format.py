@@ -8,10 +8,8 @@ import shutil
 import numpy as np
 import pytest
 
-from slicer.errors import OutputExists, VindexError
-from slicer.vindex import (
-    ATTN, DOWN, LM_HEAD, NORMS, UP, Vindex, VindexWriter, staged_output, write_index,
-)
+from larql_edge.tools.slicer.errors import OutputExists, VindexError
+from larql_edge.format.vindex import ATTN, DOWN, LM_HEAD, NORMS, UP, Vindex, VindexWriter, staged_output, write_index
 
 V, H, F, L = 50, 16, 24, 3
 

@@ -7,8 +7,8 @@ import struct
 import numpy as np
 import pytest
 
-from app.wire import WireError
-from app.wire import ffn as w
+from larql_edge.wire import WireError
+from larql_edge.wire import ffn as w
 
 H = 8
 rng = np.random.default_rng(0)

@@ -1,0 +1,225 @@
+"""The forward pass, assembled from three providers so that every tier runs the same code.
+
+- an `EmbedProvider` turns token ids into scaled input rows (local table, or the embed server),
+- an `FfnProvider` computes ``down(act(gate x) * up x)`` for one layer on exactly the vector given
+  (local weights, or an FFN shard / the router),
+- a `HeadProvider` turns the pre-final-norm residual into logits (local, or the embed server).
+
+Attention always runs here, with a KV cache. Norms around the FFN are applied here too, which is
+what lets the FFN tier be a pure function of its input (DESIGN.md §1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from larql_edge.model.backend import Backend, get_backend
+from larql_edge.tools.slicer.errors import VindexError
+from larql_edge.format.vindex import Vindex
+
+from larql_edge.model import ops
+from larql_edge.model.spec import ModelSpec
+from larql_edge.model.weights import AttentionLayer, FfnLayer, final_norm, lm_head_matrix, load_attention_layer, load_ffn_layer
+
+
+class EmbedProvider(Protocol):
+    def embed(self, ids: Sequence[int]) -> np.ndarray: ...
+
+
+class FfnProvider(Protocol):
+    def ffn(self, layer: int, x: np.ndarray) -> np.ndarray: ...
+
+
+class HeadProvider(Protocol):
+    def logits(self, h: np.ndarray) -> np.ndarray: ...
+
+
+# -- local providers ----------------------------------------------------------------------------
+
+
+class LocalEmbed:
+    def __init__(self, vx: Vindex, spec: ModelSpec):
+        self.table = vx.embeddings()  # f16/f32 memory map; rows are decoded per lookup
+        self.scale = np.float32(spec.embed_scale)
+
+    def embed(self, ids: Sequence[int]) -> np.ndarray:
+        idx = np.asarray(ids, dtype=np.int64)
+        if idx.size and (idx.min() < 0 or idx.max() >= self.table.shape[0]):
+            raise ValueError(f"token id out of range [0, {self.table.shape[0]})")
+        return self.table[idx].astype(np.float32) * self.scale
+
+
+def ffn_compute(w: FfnLayer, x: np.ndarray, act, backend: Backend) -> np.ndarray:
+    """``down(act(gate x) * up x)``: the whole of what an FFN shard computes for one layer."""
+    return backend.linear(act(backend.linear(x, w.gate)) * backend.linear(x, w.up), w.down)
+
+
+class LocalFfn:
+    def __init__(self, vx: Vindex, spec: ModelSpec, layers: Sequence[int] | None = None, backend: Backend | None = None):
+        self.backend = backend or get_backend()
+        self.act = ops.ACTIVATIONS[spec.family.activation]
+        wanted = range(spec.num_layers) if layers is None else layers
+        self.layers = {i: load_ffn_layer(vx, i, self.backend) for i in wanted}
+
+    def ffn(self, layer: int, x: np.ndarray) -> np.ndarray:
+        w = self.layers.get(layer)
+        if w is None:
+            raise KeyError(layer)
+        return ffn_compute(w, x, self.act, self.backend)
+
+
+class LocalHead:
+    """Final norm, lm_head and final softcap. Keeps an f32 compute copy of the lm_head."""
+
+    def __init__(self, vx: Vindex, spec: ModelSpec, backend: Backend | None = None):
+        self.backend = backend or get_backend()
+        self.spec = spec
+        self.norm = final_norm(vx)
+        self.lm_head = self.backend.prepare(lm_head_matrix(vx))
+
+    def logits(self, h: np.ndarray) -> np.ndarray:
+        s = self.spec
+        x = ops.rms_norm(np.atleast_2d(h), self.norm, s.rms_norm_eps, s.family.norm_offset)
+        return ops.softcap(self.backend.linear(x, self.lm_head), s.final_logit_softcapping)
+
+
+# -- the forward pass -----------------------------------------------------------------------------
+
+
+@dataclass
+class KVCache:
+    keys: list[np.ndarray | None]
+    values: list[np.ndarray | None]
+    length: int = 0
+
+    @classmethod
+    def empty(cls, num_layers: int) -> "KVCache":
+        return cls([None] * num_layers, [None] * num_layers)
+
+
+@dataclass
+class Transformer:
+    spec: ModelSpec
+    attn: list[AttentionLayer]
+    embedder: EmbedProvider
+    ffn_provider: FfnProvider
+    head: HeadProvider
+    backend: Backend = field(default_factory=get_backend)
+
+    @classmethod
+    def local(cls, vindex: str | Vindex, backend: Backend | None = None) -> "Transformer":
+        """The whole model in this process, from a vindex with attention and FFN weights."""
+        vx = vindex if isinstance(vindex, Vindex) else Vindex.open(vindex)
+        spec = ModelSpec.from_index(vx.index)
+        be = backend or get_backend()
+        return cls(
+            spec=spec,
+            attn=load_attention(vx, spec, be),
+            embedder=LocalEmbed(vx, spec),
+            ffn_provider=LocalFfn(vx, spec, backend=be),
+            head=LocalHead(vx, spec, be),
+            backend=be,
+        )
+
+    def new_cache(self) -> KVCache:
+        return KVCache.empty(self.spec.num_layers)
+
+    def _attention(self, layer: int, x: np.ndarray, cache: KVCache, start: int) -> np.ndarray:
+        s, w, be = self.spec, self.attn[layer], self.backend
+        seq = x.shape[0]
+        q = be.linear(x, w.q).reshape(seq, s.num_q_heads, s.head_dim).transpose(1, 0, 2)
+        k = be.linear(x, w.k).reshape(seq, s.num_kv_heads, s.head_dim).transpose(1, 0, 2)
+        v = be.linear(x, w.v).reshape(seq, s.num_kv_heads, s.head_dim).transpose(1, 0, 2)
+        if w.q_norm is not None:
+            q = ops.rms_norm(q, w.q_norm, s.rms_norm_eps, s.family.norm_offset)
+            k = ops.rms_norm(k, w.k_norm, s.rms_norm_eps, s.family.norm_offset)
+        pos = np.arange(start, start + seq)
+        cos, sin = ops.rope_tables(pos, s.head_dim, s.rope_base_for(layer))
+        q = ops.apply_rope(q, cos, sin)
+        k = ops.apply_rope(k, cos, sin)
+        if cache.keys[layer] is not None:
+            k = np.concatenate([cache.keys[layer], k], axis=1)
+            v = np.concatenate([cache.values[layer], v], axis=1)
+        window = s.sliding_window if s.is_sliding(layer) else None
+        if window is not None and k.shape[1] > window + seq - 1:
+            # Keys older than the window are never attended again by this or any later query.
+            k, v = k[:, -(window + seq - 1) :], v[:, -(window + seq - 1) :]
+        cache.keys[layer], cache.values[layer] = k, v
+        # The cache always ends at the newest position, so key positions count back from it.
+        k_pos = np.arange(start + seq - k.shape[1], start + seq)
+        out = ops.attention(q, k, v, pos, k_pos, s.attn_scale, window, s.attn_logit_softcapping)
+        return be.linear(out, w.o)
+
+    def forward(self, ids: Sequence[int], cache: KVCache | None = None) -> np.ndarray:
+        """Run ``ids`` through every layer; returns the residual before the final norm ``[seq, hidden]``."""
+        cache = cache if cache is not None else self.new_cache()
+        s = self.spec
+        eps, off = s.rms_norm_eps, s.family.norm_offset
+        h = np.asarray(self.embedder.embed(ids), dtype=np.float32)
+        start = cache.length
+        for layer in range(s.num_layers):
+            w = self.attn[layer]
+            a = self._attention(layer, ops.rms_norm(h, w.pre_attn_norm, eps, off), cache, start)
+            if w.post_attn_norm is not None:
+                a = ops.rms_norm(a, w.post_attn_norm, eps, off)
+            h = h + a
+            f = self.ffn_provider.ffn(layer, ops.rms_norm(h, w.pre_ffn_norm, eps, off))
+            if w.post_ffn_norm is not None:
+                f = ops.rms_norm(f, w.post_ffn_norm, eps, off)
+            h = h + f
+        cache.length = start + len(ids)
+        return h
+
+    def next_logits(self, ids: Sequence[int], cache: KVCache | None = None) -> np.ndarray:
+        """Logits ``[vocab]`` for the token after ``ids`` (appended to ``cache`` when given)."""
+        h = self.forward(ids, cache)
+        return np.asarray(self.head.logits(h[-1:]), dtype=np.float32)[0]
+
+    def generate(
+        self,
+        ids: Sequence[int],
+        max_tokens: int,
+        temperature: float = 0.0,
+        seed: int | None = None,
+        stop_ids: Sequence[int] | None = None,
+    ) -> Iterator[int]:
+        """Yield generated token ids one by one, with the KV cache; greedy when temperature is 0."""
+        if not ids:
+            raise ValueError("empty prompt: nothing to condition on")
+        rng = np.random.default_rng(seed)
+        stop = set(self.spec.eos_token_ids if stop_ids is None else stop_ids)
+        cache = self.new_cache()
+        logits = self.next_logits(ids, cache)
+        for _ in range(max_tokens):
+            tok = sample(logits, temperature, rng)
+            yield tok
+            if tok in stop:
+                return
+            logits = self.next_logits([tok], cache)
+
+
+def load_attention(vx: Vindex, spec: ModelSpec, backend: Backend) -> list[AttentionLayer]:
+    if not vx.manifest:
+        raise VindexError(f"{vx.path}: no weight_manifest.json: this vindex has no attention weights")
+    return [load_attention_layer(vx, spec, i, backend) for i in range(spec.num_layers)]
+
+
+def sample(logits: np.ndarray, temperature: float, rng: np.random.Generator) -> int:
+    if temperature <= 0:
+        return int(np.argmax(logits))
+    lp = ops.log_softmax(logits / temperature)
+    p = np.exp(lp)
+    return int(rng.choice(p.size, p=p / p.sum()))
+
+
+def top_k(logits: np.ndarray, k: int) -> list[tuple[int, float]]:
+    """The k most likely ids with their log-probabilities, most likely first."""
+    lp = ops.log_softmax(logits)
+    k = min(k, lp.size)
+    idx = np.argpartition(-lp, k - 1)[:k]
+    idx = idx[np.argsort(-lp[idx], kind="stable")]
+    return [(int(i), float(lp[i])) for i in idx]

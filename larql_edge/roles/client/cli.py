@@ -1,0 +1,113 @@
+"""larql: predict the next token or generate text with a vindex.
+
+Local mode runs the whole model in this process. With ``--embed URL --ffn URL`` (the attention-only
+client) attention runs here with a KV cache, embeddings and logits come from the embed server and
+the FFN of each layer from the grid (one round trip per layer); tokens stream as they come.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+
+from larql_edge.tools.slicer.cli import run_command
+from larql_edge.tools.slicer.errors import LarqlError
+
+from larql_edge.config import Flags
+from larql_edge.errors import AppError
+from larql_edge.roles.client._build import add_model_flags, build_model
+from larql_edge.roles.client._stream import TextStream
+
+
+def _common(p: argparse.ArgumentParser) -> Flags:
+    add_model_flags(p)
+    f = Flags(p)
+    f.add("--prompt", default=None, help="the prompt text (required)")
+    f.switch("--json", help="machine-readable output")
+    return f
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="larql", description="Run a LARQL vindex: next-token prediction and generation.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    p = sub.add_parser("predict", help="top-k next tokens with probabilities")
+    _common(p).add("--top-k", type=int, default=10, help="how many candidates")
+    p.set_defaults(func=predict)
+    g = sub.add_parser("generate", help="stream generated tokens (KV cache; stops at EOS)")
+    f = _common(g)
+    f.add("--max-tokens", type=int, default=32, help="at most this many new tokens")
+    f.add("--temperature", type=float, default=0.0, help="0 = greedy; > 0 samples")
+    f.add("--seed", type=int, default=None, help="sampling seed, for reproducible runs")
+    g.set_defaults(func=generate)
+    return parser
+
+
+def _encode(tok, prompt: str) -> list[int]:
+    ids = tok.encode(prompt).ids
+    if not ids:
+        raise LarqlError("the prompt encodes to no tokens")
+    return ids
+
+
+def predict(args: argparse.Namespace) -> int:
+    from larql_edge.model.forward import top_k
+
+    if args.top_k <= 0:
+        raise LarqlError("--top-k must be a positive integer")
+    model, tok = build_model(args)
+    ids = _encode(tok, args.prompt)
+    logits = model.next_logits(ids)
+    rows = [
+        {"id": i, "text": tok.decode([i]), "logprob": lp, "prob": math.exp(lp)}
+        for i, lp in top_k(logits, min(args.top_k, logits.size))
+    ]
+    if args.json:
+        print(json.dumps({"prompt": args.prompt, "prompt_ids": ids, "top_k": rows}, ensure_ascii=False))
+        return 0
+    print(f"Prompt: {args.prompt!r} ({len(ids)} tokens)")
+    for r in rows:
+        print(f"  {r['prob']:7.2%}  {r['logprob']:9.4f}  {r['id']:>7}  {r['text']!r}")
+    return 0
+
+
+def generate(args: argparse.Namespace) -> int:
+    if args.max_tokens <= 0:
+        raise LarqlError("--max-tokens must be a positive integer")
+    if not math.isfinite(args.temperature) or args.temperature < 0:
+        raise LarqlError("--temperature must be a finite number >= 0")
+    model, tok = build_model(args)
+    ids = _encode(tok, args.prompt)
+    out: list[int] = []
+    stream = TextStream(tok)
+    t0 = time.perf_counter()
+    if not args.json:
+        sys.stdout.write(args.prompt)
+        sys.stdout.flush()
+    for t in model.generate(ids, args.max_tokens, args.temperature, args.seed):
+        out.append(t)
+        if not args.json:
+            sys.stdout.write(stream.push(t))
+            sys.stdout.flush()
+    dt = time.perf_counter() - t0
+    if args.json:
+        print(json.dumps({"prompt": args.prompt, "prompt_ids": ids, "generated_ids": out,
+                          "text": tok.decode(out), "seconds": round(dt, 3)}, ensure_ascii=False))
+    else:
+        sys.stdout.write(stream.flush() + "\n")
+        print(f"[{len(out)} tokens in {dt:.2f}s, {len(out) / dt:.1f} tok/s]", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not args.prompt:
+        parser.error("--prompt is required (or set LARQL_PROMPT)")
+    return run_command("larql", args, errors=(LarqlError, AppError))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,192 @@
+"""Remote providers of the forward pass: embeddings and logits from an embed server (or a router
+that proxies one), the FFN of each layer from shards (or a router).
+
+They plug into `larql_edge.model.forward.Transformer` in place of the local providers, so the client runs
+the very same attention, norm and residual code as the single-process forward: exactness follows.
+
+Failures: a request that cannot reach a replica, times out, or gets a 5xx is retried on the next
+replica serving the same thing, with exponential backoff, a bounded number of times; then it is a
+`RemoteError` naming the layer and what was tried. A 4xx is never retried (it is our mistake).
+A layer that no target serves is an error at once: never zeros.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from larql_edge.tools.slicer.errors import LarqlError
+
+from larql_edge.format.layers import LayerRange
+from larql_edge.wire import WireError
+from larql_edge.wire import embed as embed_wire
+from larql_edge.wire import ffn as ffn_wire
+from larql_edge.service.h1 import Reply, TransportError, describe, error_text
+from larql_edge.service.h1_sync import HttpClient
+
+BACKOFF_FIRST_S = 0.1
+BACKOFF_MAX_S = 2.0
+
+
+class RemoteError(LarqlError):
+    """A remote tier could not answer (after retries), or answered something unusable."""
+
+
+@dataclass(frozen=True)
+class Target:
+    url: str
+    layers: LayerRange | None = None  # None: every layer (a router, or a shard serving all)
+
+    def serves(self, layer: int) -> bool:
+        return self.layers is None or layer in self.layers
+
+
+def parse_targets(text: str) -> list[Target]:
+    """``"URL"``, ``"URL1,URL2"`` (replicas) or ``"0-8=URL,9-17=URL"`` (shards by layer range)."""
+    out = []
+    for part in filter(None, (p.strip() for p in (text or "").split(","))):
+        rng, sep, url = part.partition("=")
+        if not sep:
+            rng, url = "", part
+        url = url.strip().rstrip("/")
+        if not url.startswith(("http://", "https://")):
+            raise RemoteError(f"{part!r}: expected an http(s) URL (optionally prefixed with a layer range A-B=)")
+        try:
+            out.append(Target(url, LayerRange.parse(rng) if rng else None))
+        except ValueError as e:
+            raise RemoteError(str(e)) from None
+    return out
+
+
+class Replicas:
+    """POSTs and GETs to one of several equivalent URLs, failing over with backoff.
+
+    The last URL that answered is tried first next time (sticky), so a healthy replica keeps its
+    warm keep-alive connection and a dead one costs one failed attempt, not one per request.
+    """
+
+    def __init__(self, client: HttpClient, retries: int = 4, backoff: float = BACKOFF_FIRST_S, what: str = "server"):
+        self.client = client
+        self.retries = max(0, retries)
+        self.backoff = backoff
+        self.what = what
+        self._preferred: dict[tuple[str, ...], str] = {}
+        self.failovers = 0
+
+    def request(self, urls: Sequence[str], method: str, path: str, *, content: bytes | None = None,
+                headers: dict[str, str] | None = None, about: str = "") -> Reply:
+        key = tuple(urls)
+        first = self._preferred.get(key)
+        order = list(urls)
+        if first in order:
+            order.remove(first)
+            order.insert(0, first)
+        reasons: list[str] = []
+        delay = self.backoff
+        for attempt in range(self.retries + 1):
+            url = order[attempt % len(order)]
+            try:
+                r = self.client.request(method, url + path, content=content, headers=headers)
+            except TransportError as e:
+                reasons.append(f"{url}: {describe(e)}")
+            else:
+                if r.status_code < 400:
+                    self._preferred[key] = url
+                    return r
+                msg = error_text(r)
+                if r.status_code < 500:
+                    raise RemoteError(f"{self.what} {url}{path}{about}: HTTP {r.status_code}: {msg}")
+                reasons.append(f"{url}: HTTP {r.status_code} {msg}".rstrip())
+            self.failovers += 1
+            if attempt < self.retries:
+                time.sleep(delay)
+                delay = min(delay * 2, BACKOFF_MAX_S)
+        raise RemoteError(f"{self.what}{about}: no replica answered after {self.retries + 1} attempts: "
+                          + "; ".join(_dedupe(reasons)))
+
+
+class RemoteEmbed:
+    """Token ids -> scaled input rows, from POST /v1/embed (binary)."""
+
+    def __init__(self, replicas: Replicas, urls: Sequence[str], hidden: int):
+        self.replicas, self.urls, self.hidden = replicas, list(urls), hidden
+
+    def embed(self, ids: Sequence[int]) -> np.ndarray:
+        r = self.replicas.request(self.urls, "POST", "/v1/embed", content=embed_wire.encode_embed_request(ids),
+                                  headers={"content-type": ffn_wire.CONTENT_TYPE, "accept": ffn_wire.CONTENT_TYPE})
+        try:
+            rows = embed_wire.decode_embed_response(r.content)
+        except WireError as e:
+            raise RemoteError(f"embed server sent a malformed reply: {e}") from None
+        if rows.shape != (len(ids), self.hidden):
+            raise RemoteError(f"embed server returned {list(rows.shape)} rows, expected [{len(ids)}, {self.hidden}]: another model?")
+        return rows
+
+
+class RemoteHead:
+    """Pre-final-norm residual rows -> logits, from POST /v1/logits (binary in, raw f32 logits out)."""
+
+    def __init__(self, replicas: Replicas, urls: Sequence[str], hidden: int, vocab: int):
+        self.replicas, self.urls, self.hidden, self.vocab = replicas, list(urls), hidden, vocab
+
+    def logits(self, h: np.ndarray) -> np.ndarray:
+        rows = np.atleast_2d(np.asarray(h, dtype=np.float32))
+        out = np.empty((rows.shape[0], self.vocab), dtype=np.float32)
+        for i, row in enumerate(rows):  # the endpoint takes one position; decode asks for one
+            r = self.replicas.request(self.urls, "POST", "/v1/logits", content=embed_wire.encode_logits_request(row),
+                                      headers={"content-type": ffn_wire.CONTENT_TYPE, "accept": ffn_wire.CONTENT_TYPE})
+            try:
+                out[i] = embed_wire.decode_logits_response(r.content, self.vocab)
+            except WireError as e:
+                raise RemoteError(f"embed server sent malformed logits: {e}") from None
+        return out
+
+
+class RemoteFfn:
+    """One round trip per layer: POST /v1/walk-ffn (binary) to a target serving that layer."""
+
+    def __init__(self, replicas: Replicas, targets: Sequence[Target], hidden: int, num_layers: int, f16: bool = False):
+        self.replicas, self.hidden, self.f16 = replicas, hidden, f16
+        self._urls = {layer: [t.url for t in targets if t.serves(layer)] for layer in range(num_layers)}
+        self.headers = {"content-type": ffn_wire.CONTENT_TYPE,
+                        "accept": ffn_wire.CONTENT_TYPE_F16 if f16 else ffn_wire.CONTENT_TYPE}
+        self.seconds = 0.0  # time spent in FFN round trips (benchmarks read it)
+        self.calls = 0
+
+    def missing_layers(self) -> list[int]:
+        return [layer for layer, urls in self._urls.items() if not urls]
+
+    def ffn(self, layer: int, x: np.ndarray) -> np.ndarray:
+        urls = self._urls.get(layer)
+        if not urls:
+            raise RemoteError(f"no --ffn target serves layer {layer}")
+        t0 = time.perf_counter()
+        r = self.replicas.request(urls, "POST", "/v1/walk-ffn", content=ffn_wire.encode_request(layer, x),
+                                  headers=self.headers, about=f" (layer {layer})")
+        f16 = r.headers.get("content-type", "").startswith(ffn_wire.CONTENT_TYPE_F16)
+        try:
+            got, out, _ = ffn_wire.decode_response(r.content, self.hidden, f16=f16)
+        except WireError as e:
+            raise RemoteError(f"FFN layer {layer}: malformed reply: {e}") from None
+        if got != layer or out.shape != np.shape(np.atleast_2d(x)):
+            raise RemoteError(f"FFN layer {layer}: the reply is for layer {got} with shape {list(out.shape)}")
+        self.seconds += time.perf_counter() - t0
+        self.calls += 1
+        return out
+
+
+def make_client(timeout: float) -> HttpClient:
+    # One keep-alive connection per server for all three tiers; decode makes ~20 requests a token.
+    return HttpClient(timeout=timeout, connect_timeout=3.0)
+
+
+def _dedupe(items: list[str]) -> list[str]:
+    seen, out = set(), []
+    for i in items:
+        if i not in seen:
+            seen.add(i)
+            out.append(i)
+    return out

@@ -1,0 +1,168 @@
+"""One served model: the vindex files the embed server reads, loaded into store, head and tokenizer.
+
+The server needs only the ``embed`` preset of a vindex (fixed with the slicer): ``index.json``,
+``embeddings.bin``, ``tokenizer.json``, ``weight_manifest.json``, ``norms.bin`` (of which it reads
+``norm.weight`` alone) and ``lm_head.bin`` when the model is untied. `check_files` says what is
+missing before anything binds a port; `ServedModel.load` does the slow part (tokenizer parse,
+lm_head compute copy, warm-up) after the server listens, so ``/v1/ready`` can answer 503 meanwhile.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+from larql_edge.model.spec import ModelSpec
+from larql_edge.tools.slicer.errors import VindexError
+from larql_edge.format.vindex import EMBEDDINGS, MANIFEST, TOKENIZER, Vindex, sha256_file
+
+from larql_edge.roles.embed.config import ModelSource
+from larql_edge.roles.embed.head import LogitsHead
+from larql_edge.roles.embed.store import EmbeddingStore
+
+log = logging.getLogger("larql.embed")
+
+MODE = "embed-service"
+EMBED_PRESET_FILES = ("index.json", EMBEDDINGS, TOKENIZER, MANIFEST, "norms.bin", "lm_head.bin (untied models)")
+
+
+def check_files(vx: Vindex) -> list[str]:
+    """Problems that keep ``vx`` from serving every embed-server endpoint (empty when it can)."""
+    problems: list[str] = []
+    expected = vx.vocab_size * vx.hidden_size
+    if not vx.has(EMBEDDINGS):
+        problems.append(f"missing {EMBEDDINGS}")
+    else:
+        size = (vx.path / EMBEDDINGS).stat().st_size
+        if size not in (2 * expected, 4 * expected):
+            problems.append(f"{EMBEDDINGS}: {size} bytes fits neither f16 nor f32 [{vx.vocab_size}, {vx.hidden_size}]")
+    if not vx.has(TOKENIZER):
+        problems.append(f"missing {TOKENIZER}")
+    try:
+        if not vx.has(MANIFEST):
+            problems.append(f"missing {MANIFEST} (locates the final norm)")
+        elif not vx.has_tensor("norm.weight"):
+            problems.append("no final norm: norm.weight is absent from the manifest or its file is missing")
+        if not vx.tied and not vx.has_tensor("lm_head.weight"):
+            problems.append("untied model (an lm_head file exists) but lm_head.weight is not in the manifest")
+    except VindexError as e:
+        problems.append(str(e))
+    try:
+        ModelSpec.from_index(vx.index)
+    except VindexError as e:
+        problems.append(str(e))
+    return problems
+
+
+class ServedModel:
+    def __init__(self, source: ModelSource):
+        self.id = source.id
+        self.vindex = Vindex.open(source.path)
+        self.path = self.vindex.path
+        self.spec = ModelSpec.from_index(self.vindex.index)
+        # The sha256 pins the weights in ETags and /v1/models/{sha}/...; computed at load if absent.
+        self.sha256: str | None = self.vindex.checksums.get(EMBEDDINGS)
+        self.store: EmbeddingStore | None = None
+        self.head: LogitsHead | None = None
+        self.tokenizer = None
+        self.batcher = None  # set by the app once the head is loaded
+        self.load_seconds: dict[str, float] = {}
+        self.error: str | None = None
+
+    # -- metadata ------------------------------------------------------------------------------
+    @property
+    def name(self) -> str:
+        return self.vindex.model
+
+    @property
+    def vocab_size(self) -> int:
+        return self.spec.vocab_size
+
+    @property
+    def hidden_size(self) -> int:
+        return self.spec.hidden_size
+
+    @property
+    def tied(self) -> bool:
+        return self.vindex.tied
+
+    @property
+    def loaded(self) -> dict[str, bool]:
+        return {
+            "embeddings": self.store is not None,
+            "lm_head": self.head is not None,
+            "tokenizer": self.tokenizer is not None,
+        }
+
+    @property
+    def ready(self) -> bool:
+        # The batcher is attached last, once everything else has loaded (checked on every request).
+        return self.batcher is not None
+
+    @property
+    def embed_nbytes(self) -> int:
+        return (self.path / EMBEDDINGS).stat().st_size
+
+    # -- loading -------------------------------------------------------------------------------
+    def load(self, hot_cache: int, lm_head_cache: Path | None) -> None:
+        from tokenizers import Tokenizer
+
+        t = time.perf_counter()
+        table = self.vindex.embeddings()
+        self.store = EmbeddingStore(table, self.spec.embed_scale, hot_cache)
+        if self.sha256 is None:
+            log.warning("%s: index.json records no sha256 for %s; hashing it", self.path, EMBEDDINGS)
+            self.sha256 = sha256_file(self.path / EMBEDDINGS)
+        self.load_seconds["embeddings"] = time.perf_counter() - t
+
+        t = time.perf_counter()
+        self.tokenizer = Tokenizer.from_file(str(self.vindex.tokenizer_path))
+        self.load_seconds["tokenizer"] = time.perf_counter() - t
+
+        t = time.perf_counter()
+        head = LogitsHead(self.vindex, self.spec, lm_head_cache)
+        head.warm_up()
+        self.head = head
+        self.load_seconds["lm_head"] = time.perf_counter() - t
+
+    # -- lookups used by the routes -------------------------------------------------------------
+    def token_text(self, i: int) -> str:
+        return self.tokenizer.decode([int(i)], skip_special_tokens=False)
+
+    def etag(self, token_id: int, representation: str) -> str:
+        return f'"{self.sha256}-{token_id}-{representation}"'
+
+    def stats(self) -> dict:
+        store, head = self.store, self.head
+        out = {
+            "model": self.name,
+            "model_id": self.id,
+            "family": self.spec.family.name,
+            "hidden_size": self.hidden_size,
+            "vocab_size": self.vocab_size,
+            "embed_size_gb": round(self.embed_nbytes / 1e9, 3),
+            "embeddings": {
+                "dtype": "f16" if self.embed_nbytes == 2 * self.vocab_size * self.hidden_size else "f32",
+                "storage": "mmap",
+                "bytes": self.embed_nbytes,
+                "embed_scale": self.spec.embed_scale,
+                "sha256": self.sha256,
+            },
+            "lm_head_tied": self.tied,
+            "lm_head": (
+                {"compute_copy": head.copy.storage, "bytes": head.copy.nbytes, "path": head.copy.path}
+                if head is not None
+                else None
+            ),
+            "final_logit_softcapping": self.spec.final_logit_softcapping,
+            "mode": MODE,
+            "loaded": self.loaded,
+            "load_seconds": {k: round(v, 3) for k, v in self.load_seconds.items()},
+            "hot_cache": store.cache.stats() if store is not None else None,
+            "logits_batching": self.batcher.stats() if self.batcher is not None else None,
+        }
+        if self.error:
+            out["error"] = self.error
+        return out
+

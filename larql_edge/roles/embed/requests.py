@@ -1,0 +1,203 @@
+"""Reading requests: content types, JSON bodies, Accept negotiation and the validation of values.
+
+Everything here raises the typed errors of `larql_edge.errors`, so every bad input leaves as a 4xx with
+``{"error": ...}``: 415 for a body that is neither JSON nor the binary type, 400 for malformed or
+invalid values, 406 for an Accept nothing can satisfy, 413 for more than a published limit.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+
+import numpy as np
+
+from larql_edge.errors import BadRequest, NotAcceptable, PayloadTooLarge, UnsupportedMediaType
+from larql_edge.wire import BINARY, JSON
+
+_DIGITS = re.compile(r"^[0-9]{1,10}$")
+
+
+# -- bodies ----------------------------------------------------------------------------------------
+
+
+def body_kind(request) -> str:
+    """``"json"`` or ``"binary"`` from the Content-Type; anything else is a 415."""
+    ctype = (request.headers.get("content-type") or "").split(";", 1)[0].strip().lower()
+    if ctype == JSON:
+        return "json"
+    if ctype == BINARY:
+        return "binary"
+    shown = ctype or "none"
+    raise UnsupportedMediaType(f"Content-Type {shown!r}: send {JSON} or {BINARY}")
+
+
+def json_object(request) -> dict:
+    try:
+        obj = json.loads(request.body or b"")
+    except (ValueError, UnicodeDecodeError) as e:
+        raise BadRequest(f"malformed JSON body ({e})") from None
+    if not isinstance(obj, dict):
+        raise BadRequest("the JSON body must be an object")
+    return obj
+
+
+# -- Accept ----------------------------------------------------------------------------------------
+
+
+def _accept_q(header: str, media: str) -> float:
+    """The q-value ``header`` gives ``media`` (most specific match wins; absent -> 0)."""
+    best, best_spec = 0.0, -1
+    main = media.split("/", 1)[0]
+    for part in header.split(","):
+        fields = part.strip().split(";")
+        rng = fields[0].strip().lower()
+        if not rng:
+            continue
+        if rng == media:
+            spec = 2
+        elif rng == f"{main}/*":
+            spec = 1
+        elif rng == "*/*":
+            spec = 0
+        else:
+            continue
+        q = 1.0
+        for p in fields[1:]:
+            k, _, v = p.strip().partition("=")
+            if k.strip().lower() == "q":
+                try:
+                    q = float(v)
+                except ValueError:
+                    q = 0.0
+        if spec > best_spec:
+            best, best_spec = q, spec
+    return best
+
+
+def negotiate(request, default: str, other: str) -> str:
+    """``default`` unless Accept prefers ``other`` (ties and a missing Accept go to ``default``)."""
+    accept = request.headers.get("accept")
+    if not accept:
+        return default
+    qd, qo = _accept_q(accept, default), _accept_q(accept, other)
+    if qd <= 0 and qo <= 0:
+        raise NotAcceptable(f"Accept {accept!r}: this resource is {default} or {other}")
+    return other if qo > qd else default
+
+
+def wants_binary(request, default_binary: bool) -> bool:
+    if default_binary:
+        return negotiate(request, BINARY, JSON) == BINARY
+    return negotiate(request, JSON, BINARY) == BINARY
+
+
+# -- values ----------------------------------------------------------------------------------------
+
+
+def check_ids(ids: np.ndarray, vocab: int, limit: int, what: str = "token_ids") -> np.ndarray:
+    """Non-empty, at most ``limit`` ids, each in ``[0, vocab)``; returns int64."""
+    if ids.size == 0:
+        raise BadRequest(f"{what} is empty")
+    if ids.size > limit:
+        raise PayloadTooLarge(f"{what} has {ids.size} ids; the limit is {limit} per request")
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= vocab:
+        bad = lo if lo < 0 else hi
+        raise BadRequest(f"token id {bad} is out of range [0, {vocab})")
+    return ids.astype(np.int64, copy=False)
+
+
+def json_ids(value, what: str = "token_ids") -> np.ndarray:
+    """A JSON list of integers (no floats, no booleans, no nesting) as an int64 array."""
+    if not isinstance(value, list):
+        raise BadRequest(f"{what} must be a list of integers")
+    for v in value:
+        if type(v) is not int:  # bool is an int subclass: rejected too
+            raise BadRequest(f"{what} must hold integers only (got {json.dumps(v)[:40]})")
+        if not -(2**63) <= v < 2**63:
+            raise BadRequest(f"token id {v} is out of range")
+    return np.asarray(value, dtype=np.int64)
+
+
+def path_id(text: str) -> int:
+    """A token id from a URL segment: decimal digits only (no sign, no fraction, no spaces)."""
+    if not _DIGITS.match(text):
+        raise BadRequest(f"token id {text[:40]!r} is not a non-negative integer")
+    return int(text)
+
+
+def query_ids(text: str | None) -> np.ndarray:
+    if text is None or not text.strip():
+        raise BadRequest("ids is required, e.g. ?ids=9515,235")
+    out = []
+    for part in text.split(","):
+        part = part.strip()
+        if not re.fullmatch(r"-?[0-9]{1,19}", part):
+            raise BadRequest(f"ids: {part[:40]!r} is not an integer")
+        out.append(int(part))
+    return np.asarray(out, dtype=np.int64)
+
+
+def residual(value, hidden: int) -> np.ndarray:
+    """A JSON residual: a flat list of ``hidden`` finite numbers, as float32."""
+    if not isinstance(value, list):
+        raise BadRequest(f"residual must be a list of {hidden} numbers")
+    if len(value) != hidden:
+        raise BadRequest(f"residual has {len(value)} values; the hidden size is {hidden}")
+    arr = np.array(value)
+    if arr.dtype.kind not in "if" or arr.shape != (hidden,):
+        raise BadRequest("residual must hold numbers only")
+    with np.errstate(over="ignore"):  # beyond float32 range becomes inf, refused just below
+        x = arr.astype(np.float32)
+    return finite(x)
+
+
+def finite(x: np.ndarray, what: str = "residual") -> np.ndarray:
+    if not np.isfinite(x).all():
+        raise BadRequest(f"{what} contains NaN or Inf (or a value beyond float32 range)")
+    return x
+
+
+def int_param(value, name: str, default: int, lo: int, hi: int) -> int:
+    if value is None:
+        return default
+    if isinstance(value, str):
+        if not re.fullmatch(r"-?[0-9]{1,12}", value.strip()):
+            raise BadRequest(f"{name} must be an integer")
+        value = int(value)
+    elif type(value) is not int:
+        raise BadRequest(f"{name} must be an integer")
+    if not lo <= value <= hi:
+        raise BadRequest(f"{name}={value} is out of range [{lo}, {hi}]")
+    return value
+
+
+def temperature_param(value) -> float:
+    """A finite temperature >= 0 (0 means greedy); default 1."""
+    if value is None:
+        return 1.0
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            raise BadRequest("temperature must be a number") from None
+    elif type(value) not in (int, float):
+        raise BadRequest("temperature must be a number")
+    value = float(value)
+    if not math.isfinite(value) or value < 0:
+        raise BadRequest(f"temperature={value} is invalid: use a finite number >= 0 (0 means greedy)")
+    return value
+
+
+def bool_param(value, name: str, default: bool = False) -> bool:
+    if value is None:
+        return default
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("1", "true", "yes", "on"):
+        return True
+    if isinstance(value, str) and value.strip().lower() in ("0", "false", "no", "off", ""):
+        return False
+    raise BadRequest(f"{name} must be a boolean")

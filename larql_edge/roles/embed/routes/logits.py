@@ -1,0 +1,83 @@
+"""``POST /v1/logits``: final norm, lm_head, softcap and temperature on one pre-final-norm residual.
+
+The answer is the top k as JSON (token id, text, probability, log-probability, logit), or with
+``Accept: application/x-larql-ffn`` the raw ``f32[vocab]`` logits (divided by the temperature).
+Temperature 0 means greedy: the list is ordered as always (argmax first) and the probabilities are
+those of temperature 1, so they stay informative; raw logits are then returned unscaled.
+Requests are queued to the model's micro-batcher, which multiplies concurrent residuals together.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from functools import partial
+
+import numpy as np
+from sanic import Blueprint
+from sanic.response import HTTPResponse, json
+
+from larql_edge.errors import BadRequest
+from larql_edge.wire import BINARY, WireError
+from larql_edge.wire import embed as wire
+
+from larql_edge.roles.embed import requests as rq
+from larql_edge.roles.embed.head import log_normaliser, top_k_ids
+from larql_edge.roles.embed.routes._common import both, model_of
+
+bp = Blueprint("logits")
+
+
+def _scaled(row: np.ndarray, temperature: float) -> np.ndarray:
+    return row / np.float32(temperature) if temperature not in (0.0, 1.0) else row
+
+
+def _top_k(model, k: int, temperature: float, row: np.ndarray) -> list[dict]:
+    # Runs in the compute thread, right after the batch's matrix product.
+    scaled = _scaled(row, temperature)
+    lse = log_normaliser(scaled)
+    out = []
+    for i in top_k_ids(row, k).tolist():
+        lp = float(scaled[i]) - lse
+        out.append(
+            {"token_id": i, "token": model.token_text(i), "prob": math.exp(lp), "logprob": lp, "logit": float(row[i])}
+        )
+    return out
+
+
+def _raw(temperature: float, row: np.ndarray) -> bytes:
+    return wire.encode_logits_response(_scaled(row, temperature))
+
+
+@both(bp, "/logits", ["POST"], "logits")
+async def logits(request, model_id: str | None = None):
+    t0 = time.perf_counter()
+    m = model_of(request, model_id)
+    if rq.body_kind(request) == "binary":
+        try:
+            x = wire.decode_logits_request(request.body, m.hidden_size)
+        except WireError as e:
+            raise BadRequest(str(e)) from None
+        x = rq.finite(x)
+        params = {k: request.args.get(k) for k in ("top_k", "temperature")}
+    else:
+        params = rq.json_object(request)
+        if "residual" not in params:
+            raise BadRequest(f'missing "residual" (a list of {m.hidden_size} numbers)')
+        x = rq.residual(params["residual"], m.hidden_size)
+    max_k = min(m.vocab_size, request.app.ctx.cfg.limits.max_top_k)
+    k = rq.int_param(params.get("top_k"), "top_k", 5, 1, max_k)
+    temperature = rq.temperature_param(params.get("temperature"))
+    if rq.wants_binary(request, default_binary=False):
+        body = await m.batcher.submit(x, partial(_raw, temperature))
+        return HTTPResponse(body, content_type=BINARY)
+    top = await m.batcher.submit(x, partial(_top_k, m, k, temperature))
+    return json(
+        {
+            "top_k": top,
+            "model": m.id,
+            "temperature": temperature,
+            "greedy": temperature == 0.0,
+            "latency_ms": round((time.perf_counter() - t0) * 1e3, 3),
+        }
+    )

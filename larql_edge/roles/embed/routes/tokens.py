@@ -1,0 +1,85 @@
+"""The tokenizer over HTTP: encode text to ids and decode ids to text (GET for one, POST for batches)."""
+
+from __future__ import annotations
+
+import numpy as np
+from sanic import Blueprint
+from sanic.response import json
+
+from larql_edge.errors import BadRequest, PayloadTooLarge, UnsupportedMediaType
+
+from larql_edge.roles.embed import requests as rq
+from larql_edge.roles.embed.routes._common import both, model_of
+
+bp = Blueprint("tokens")
+
+
+def _check_text(text, limit: int) -> str:
+    if not isinstance(text, str):
+        raise BadRequest("text must be a string")
+    if len(text) > limit:
+        raise PayloadTooLarge(f"text has {len(text)} characters; the limit is {limit}")
+    return text
+
+
+def _ids(m, ids: np.ndarray, limit: int) -> list[int]:
+    if ids.size == 0:
+        return []
+    return rq.check_ids(ids, m.vocab_size, limit, "ids").tolist()
+
+
+@both(bp, "/token/encode", ["GET"], "encode")
+async def encode(request, model_id: str | None = None):
+    m = model_of(request, model_id)
+    text = request.args.get("text")
+    if text is None:
+        raise BadRequest("text is required, e.g. ?text=Paris")
+    text = _check_text(text, request.app.ctx.cfg.limits.max_text_chars)
+    special = rq.bool_param(request.args.get("add_special_tokens"), "add_special_tokens")
+    return json({"token_ids": m.tokenizer.encode(text, add_special_tokens=special).ids, "text": text})
+
+
+@both(bp, "/token/encode", ["POST"], "encode_post")
+async def encode_post(request, model_id: str | None = None):
+    m = model_of(request, model_id)
+    if rq.body_kind(request) != "json":
+        raise UnsupportedMediaType("POST /v1/token/encode takes a JSON body")
+    obj = rq.json_object(request)
+    limit = request.app.ctx.cfg.limits.max_text_chars
+    special = rq.bool_param(obj.get("add_special_tokens"), "add_special_tokens")
+    if "texts" in obj:
+        texts = obj["texts"]
+        if not isinstance(texts, list):
+            raise BadRequest("texts must be a list of strings")
+        texts = [_check_text(t, limit) for t in texts]
+        encs = m.tokenizer.encode_batch(texts, add_special_tokens=special) if texts else []
+        return json({"token_ids": [e.ids for e in encs]})
+    if "text" not in obj:
+        raise BadRequest('send {"text": "..."} or {"texts": ["...", ...]}')
+    text = _check_text(obj["text"], limit)
+    return json({"token_ids": m.tokenizer.encode(text, add_special_tokens=special).ids, "text": text})
+
+
+@both(bp, "/token/decode", ["GET"], "decode")
+async def decode(request, model_id: str | None = None):
+    m = model_of(request, model_id)
+    ids = _ids(m, rq.query_ids(request.args.get("ids")), request.app.ctx.cfg.limits.max_tokens)
+    skip = rq.bool_param(request.args.get("skip_special_tokens"), "skip_special_tokens")
+    return json({"text": m.tokenizer.decode(ids, skip_special_tokens=skip), "token_ids": ids})
+
+
+@both(bp, "/token/decode", ["POST"], "decode_post")
+async def decode_post(request, model_id: str | None = None):
+    m = model_of(request, model_id)
+    if rq.body_kind(request) != "json":
+        raise UnsupportedMediaType("POST /v1/token/decode takes a JSON body")
+    obj = rq.json_object(request)
+    limit = request.app.ctx.cfg.limits.max_tokens
+    skip = rq.bool_param(obj.get("skip_special_tokens"), "skip_special_tokens")
+    ids = obj.get("ids")
+    if not isinstance(ids, list):
+        raise BadRequest('send {"ids": [...]} or {"ids": [[...], ...]}')
+    if ids and all(isinstance(x, list) for x in ids):
+        batch = [_ids(m, rq.json_ids(x, "ids"), limit) for x in ids]
+        return json({"texts": m.tokenizer.decode_batch(batch, skip_special_tokens=skip)})
+    return json({"text": m.tokenizer.decode(_ids(m, rq.json_ids(ids, "ids"), limit), skip_special_tokens=skip)})

@@ -1,0 +1,80 @@
+"""larql-router --grid-key KEY [--shards "0-8=URL,9-17=URL"] [--embed URL]: the grid's front door.
+
+Members (larql-ffn, larql-embed) join with ``--join ROUTER_URL --grid-key KEY``; ``--shards`` and
+``--embed`` add static members that are probed instead of heartbeating.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from larql_edge.config import Flags
+from larql_edge.format.layers import LayerRange
+from larql_edge.wire.grid import ProtocolError, check_url
+from larql_edge.service.serving import add_server_flags, pin_blas, run, setup_logging
+
+log = logging.getLogger("larql.router")
+
+
+def parse_shards(text: str) -> list[tuple[LayerRange | None, str]]:
+    """``"0-8=URL,9-17=URL"`` (a bare ``URL`` serves every layer) -> [(range or None, url)]."""
+    out = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        rng, sep, url = part.partition("=")
+        if not sep:
+            rng, url = "", part
+        try:
+            out.append((LayerRange.parse(rng) if rng else None, check_url(url.strip())))
+        except ProtocolError as e:
+            raise ValueError(f"--shards entry {part!r}: {str(e).replace(chr(34) + 'public_url' + chr(34), 'the URL')}") from None
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="larql-router",
+                                description="Route FFN layers to shards and proxy the embed server; members join with the grid key.")
+    f = Flags(p)
+    f.add("--grid-key", default=None, secret=True, metavar="KEY", help="shared key members must present to join (required)")
+    f.add("--shards", default="", metavar="SPEC", help='static FFN shards: "0-8=URL,9-17=URL" (a bare URL serves all layers)')
+    f.add("--embed", default="", metavar="URL", help="static embed server URL(s), comma-separated")
+    f.add("--heartbeat-interval", type=float, default=2.0, help="seconds between member heartbeats")
+    f.add("--evict-after", type=float, default=None, help="evict a member silent this long (default: 3 heartbeat intervals)")
+    f.add("--upstream-timeout", type=float, default=60.0, help="seconds to wait for a member's reply")
+    add_server_flags(f, port=9090)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    setup_logging(args.log_level)
+    if not args.grid_key:
+        parser.error("--grid-key is required (or set LARQL_GRID_KEY)")
+    if args.heartbeat_interval <= 0 or (args.evict_after is not None and args.evict_after <= 0):
+        parser.error("--heartbeat-interval and --evict-after must be positive")
+    try:
+        shards = parse_shards(args.shards)
+        embeds = [check_url(u.strip()) for u in args.embed.split(",") if u.strip()]
+    except (ValueError, ProtocolError) as e:
+        parser.error(str(e))
+    pin_blas(args.blas_threads)
+
+    from larql_edge.roles.router.registry import Registry
+    from larql_edge.roles.router.server import create_app
+
+    registry = Registry(heartbeat_interval=args.heartbeat_interval, evict_after=args.evict_after)
+    for rng, url in shards:
+        registry.add_static("ffn", url, rng)
+    for url in embeds:
+        registry.add_static("embed", url)
+    app = create_app(registry, args.grid_key, upstream_timeout=args.upstream_timeout)
+    log.info("larql-router listening on http://%s:%d (%d static shards, %d static embed)",
+             args.host, args.port, len(shards), len(embeds))
+    run(app, args.host, args.port)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,185 @@
+"""POST /v1/walk-ffn at the router: route each layer to the best live replica, split and merge batches.
+
+A batch names several layers for one input. The router groups the layers by the member chosen
+for each, sends one batch per member in parallel, and merges the replies in the order asked for.
+Binary values are never decoded: each shard's result bytes are re-framed as they came, so the
+router is exact by construction and costs no float work. A group whose member fails is re-routed
+to other replicas; a layer that no live member serves is a 503 naming the layer, never zeros.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json as jsonlib
+import time
+from collections.abc import Awaitable, Callable, Sequence
+
+from sanic.request import Request
+from sanic.response import HTTPResponse, json, raw
+
+from larql_edge.errors import BadRequest, ServiceUnavailable, UnsupportedMediaType
+from larql_edge.wire import ffn as wire
+from larql_edge.service.h1 import Reply
+from larql_edge.roles.router.registry import Member, Registry
+from larql_edge.roles.router.upstream import MemberFailed, Upstream, forward_headers
+
+PATH = "/v1/walk-ffn"
+MAX_ROUNDS = 4  # re-routing rounds for one request: each round excludes the members that failed
+BINARY_TYPES = ("", wire.CONTENT_TYPE, "application/octet-stream")
+
+
+class Passthrough(Exception):
+    """A member's 4xx reply: the caller's mistake, handed back unchanged."""
+
+    def __init__(self, response: Reply):
+        self.response = response
+
+
+def _passthrough(r: Reply) -> HTTPResponse:
+    return raw(r.content, status=r.status_code, content_type=r.headers.get("content-type", "application/json"))
+
+
+def _check_layers(registry: Registry, layers: Sequence[int]) -> None:
+    n = registry.num_layers
+    if n is not None:
+        bad = sorted({layer for layer in layers if layer >= n})
+        if bad:
+            raise BadRequest(f"layer {', '.join(map(str, bad[:8]))} is outside the model ({n} layers, 0-{n - 1})")
+
+
+def _no_shard(registry: Registry, layers: Sequence[int], reasons: list[str]) -> ServiceUnavailable:
+    msg = f"no live FFN shard serves layer {', '.join(map(str, layers[:8]))}"
+    holes = registry.view()["gaps"]
+    if holes:
+        msg += f" (layers without a live shard: {', '.join(holes)})"
+    if reasons:
+        msg += f"; tried {'; '.join(reasons[:4])}"
+    return ServiceUnavailable(msg)
+
+
+SendGroup = Callable[[Member, list[int]], Awaitable[list]]
+
+
+async def dispatch(registry: Registry, layers: Sequence[int], send_group: SendGroup, metrics=None) -> dict[int, object]:
+    """Run ``send_group(member, positions)`` for every member chosen; returns {position: item}."""
+    results: dict[int, object] = {}
+    pending = list(range(len(layers)))
+    excluded: set[str] = set()
+    reasons: list[str] = []
+    for round_ in range(MAX_ROUNDS):
+        groups, missing = registry.assign([layers[p] for p in pending], excluded)
+        if missing:
+            raise _no_shard(registry, sorted({layers[pending[i]] for i in missing}), reasons)
+        jobs = [(registry.members[mid], [pending[i] for i in idxs]) for mid, idxs in groups.items()]
+        if round_ and metrics is not None:
+            metrics.retries.inc(len(jobs))
+        outs = await asyncio.gather(*(send_group(m, pos) for m, pos in jobs), return_exceptions=True)
+        pending = []
+        for (m, pos), out in zip(jobs, outs):
+            if isinstance(out, MemberFailed):
+                excluded.add(m.id)
+                reasons.append(out.reason)
+                pending += pos
+            elif isinstance(out, BaseException):
+                raise out
+            else:
+                results.update(zip(pos, out))
+        if not pending:
+            return results
+        pending.sort()
+    raise _no_shard(registry, sorted({layers[p] for p in pending}), reasons)
+
+
+def install(app, registry: Registry, upstream: Upstream, metrics=None) -> None:
+    @app.post(PATH)
+    async def walk_ffn(request: Request) -> HTTPResponse:
+        ctype = (request.headers.get("content-type") or "").split(";")[0].strip().lower()
+        body = request.body or b""
+        headers = forward_headers(request.headers)
+        try:
+            if ctype == "application/json":
+                return await _walk_json(body, headers)
+            if ctype not in BINARY_TYPES:
+                raise UnsupportedMediaType(f"send {wire.CONTENT_TYPE} (binary) or application/json, not {ctype!r}")
+            if wire.is_batch_body(body):
+                return await _walk_batch(body, headers)
+            return await _walk_single(body, headers)
+        except Passthrough as p:
+            return _passthrough(p.response)
+        except wire.WireError as e:
+            raise BadRequest(str(e)) from None
+
+    async def _post(m: Member, content: bytes, headers: dict) -> Reply:
+        r = await upstream.send(m, "POST", PATH, content=content, headers=headers)
+        if r.status_code >= 400:
+            raise Passthrough(r)
+        return r
+
+    async def _walk_single(body: bytes, headers: dict) -> HTTPResponse:
+        layer = wire.single_layer_of(body)
+        _check_layers(registry, [layer])
+
+        async def send(m: Member, pos: list[int]) -> list:
+            return [await _post(m, body, headers)]
+
+        r = (await dispatch(registry, [layer], send, metrics))[0]
+        return raw(r.content, content_type=r.headers.get("content-type", wire.CONTENT_TYPE))
+
+    async def _walk_batch(body: bytes, headers: dict) -> HTTPResponse:
+        t0 = time.perf_counter()
+        layers, tail = wire.split_batch_request(body)
+        _check_layers(registry, layers)
+        f16_box: list[bool] = []
+
+        async def send(m: Member, pos: list[int]) -> list:
+            mine = [layers[p] for p in pos]
+            content = body if len(mine) == len(layers) else wire.batch_request_from_tail(mine, tail)
+            r = await _post(m, content, headers)
+            f16 = r.headers.get("content-type", "").startswith(wire.CONTENT_TYPE_F16)
+            try:
+                items = list(wire.iter_batch_items(r.content, f16))
+            except wire.WireError as e:
+                raise MemberFailed(m, f"{m.url}: malformed batch reply ({e})") from None
+            if [it[0] for it in items] != mine:
+                raise MemberFailed(m, f"{m.url}: batch reply does not answer layers {mine}")
+            f16_box.append(f16)
+            return items
+
+        got = await dispatch(registry, layers, send, metrics)
+        f16 = bool(f16_box and f16_box[0])
+        merged = wire.frame_batch([got[p] for p in range(len(layers))], (time.perf_counter() - t0) * 1e3, f16)
+        return raw(merged, content_type=wire.reply_content_type(f16))
+
+    async def _walk_json(body: bytes, headers: dict) -> HTTPResponse:
+        t0 = time.perf_counter()
+        try:
+            obj = jsonlib.loads(body or b"")
+        except (ValueError, UnicodeDecodeError):
+            raise BadRequest("the body is not valid JSON") from None
+        if not isinstance(obj, dict) or ("layer" in obj) == ("layers" in obj):
+            raise BadRequest('the JSON body must be an object with exactly one of "layer" or "layers"')
+        batch = "layers" in obj
+        layers = obj["layers"] if batch else [obj["layer"]]
+        if (not isinstance(layers, list) or not layers or len(layers) > wire.MAX_BATCH_LAYERS
+                or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in layers)):
+            raise BadRequest('"layer"/"layers" must be non-negative layer numbers')
+        _check_layers(registry, layers)
+
+        async def send(m: Member, pos: list[int]) -> list:
+            mine = [layers[p] for p in pos]
+            sub = dict(obj, layers=mine) if batch else obj
+            r = await _post(m, jsonlib.dumps(sub).encode(), headers)
+            try:
+                reply = r.json()
+                items = reply["results"] if batch else [reply]
+                if [it["layer"] for it in items] != mine:
+                    raise ValueError("layers differ")
+            except (ValueError, KeyError, TypeError) as e:
+                raise MemberFailed(m, f"{m.url}: malformed JSON reply ({e})") from None
+            return items
+
+        got = await dispatch(registry, layers, send, metrics)
+        ms = round((time.perf_counter() - t0) * 1e3, 3)
+        if batch:
+            return json({"results": [got[p] for p in range(len(layers))], "latency_ms": ms})
+        return json(got[0])

@@ -1,0 +1,186 @@
+"""larql-grid up: the whole three-tier grid on this machine, as local processes (no Docker).
+
+    larql-grid up [--model gemma3-270m] [--shards 2] [--replicas 1]
+
+Builds the vindex on first use (cached), starts the embed server, the FFN shards and the router,
+waits until every layer is served, prints the URLs and a ready-to-paste ``larql generate``
+command, and stops everything cleanly on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import shlex
+import signal
+import sys
+import time
+from pathlib import Path
+
+from larql_edge.tools.slicer.cli import run_command
+from larql_edge.tools.slicer.errors import LarqlError
+
+from larql_edge.config import Flags
+from larql_edge.format.layers import split_even
+from larql_edge.tools.grid.supervisor import Supervisor, pick_ports, role_env
+
+ROLES = ("embed", "ffn", "client")
+
+
+# The slicer preset each role runs from (DESIGN.md §1: the embed preset serves logits too).
+ROLE_PRESETS = {"embed": "embed", "ffn": "server", "client": "attn"}
+
+
+def role_vindexes(model: str, vindex: str | None, log=print) -> dict[str, Path]:
+    """The vindex folder each role runs from: its preset slice of the cached extraction.
+
+    A ``--vindex`` given by the user is used as it is for every role (each loads only what it needs).
+    """
+    if vindex:
+        path = Path(vindex)
+        return {role: path for role in ROLES}
+    from larql_edge.tools.slicer.cache import cached_slice, cached_vindex
+
+    log(f"larql-grid: preparing the {model} vindex and its role slices (built once, then cached)...")
+    full = cached_vindex(model, level="all", dtype="f16", progress=True, log=log)
+    return {role: cached_slice(full, ROLE_PRESETS[role]) for role in ROLES}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="larql-grid", description="Run a whole larql grid on this machine.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    up = sub.add_parser("up", help="start embed server, FFN shards and router as local processes")
+    f = Flags(up)
+    # Env twins are LARQL_GRID_*: LARQL_SHARDS, LARQL_PORT... belong to the roles' own flags.
+    g = lambda flag: "LARQL_GRID_" + flag.lstrip("-").replace("-", "_").upper()  # noqa: E731
+    f.add("--model", default="gemma3-270m", env=g("--model"), help="packaged model alias or GGUF path to build the vindex from")
+    f.add("--vindex", default=None, env=g("--vindex"), help="use this vindex folder for every role instead of building one")
+    f.add("--shards", type=int, default=2, env=g("--shards"), help="FFN shards (contiguous layer ranges)")
+    f.add("--replicas", type=int, default=1, env=g("--replicas"), help="processes per layer range")
+    f.add("--host", default="127.0.0.1", env=g("--host"), help="address every role listens on")
+    f.add("--router-port", type=int, default=9090, env=g("--router-port"), help="router port (the next free one if taken)")
+    f.add("--embed-port", type=int, default=8082, env=g("--embed-port"), help="embed server port (the next free one if taken)")
+    f.add("--ffn-port", type=int, default=8080, env=g("--ffn-port"), help="first FFN shard port (shards take the next free ones)")
+    f.add("--grid-key", default=None, secret=True, help="the grid key (default: a fresh random key per run)")
+    f.add("--blas-threads", type=int, default=1, env=g("--blas-threads"), help="BLAS threads per role process")
+    f.add("--ready-timeout", type=float, default=600.0, env=g("--ready-timeout"), help="seconds to wait for the grid to come up")
+    f.add("--log-dir", default=None, env=g("--log-dir"), help="role logs (default: a new folder under the cache)")
+    up.set_defaults(func=up_command)
+    return parser
+
+
+def up_command(args: argparse.Namespace) -> int:
+    if args.shards < 1 or args.replicas < 1:
+        raise LarqlError("--shards and --replicas must be at least 1")
+    t0 = time.monotonic()
+    paths = role_vindexes(args.model, args.vindex)
+    from larql_edge.format.vindex import Vindex
+
+    n_layers = Vindex.open(paths["ffn"]).num_layers
+    try:
+        ranges = split_even(n_layers, args.shards)
+    except ValueError as e:
+        raise LarqlError(str(e)) from None
+
+    host = args.host
+    router_port, embed_port = pick_ports(host, [args.router_port, args.embed_port])
+    ffn_ports = pick_ports(host, [args.ffn_port] * (len(ranges) * args.replicas), {router_port, embed_port})
+    url = lambda port: f"http://{host}:{port}"  # noqa: E731
+    router_url = url(router_port)
+
+    from larql_edge.tools.slicer.cache import cache_dir
+
+    log_dir = Path(args.log_dir) if args.log_dir else cache_dir() / "grid-logs" / time.strftime("%Y%m%d-%H%M%S")
+    blas = str(args.blas_threads)
+    env = role_env(dict(os.environ), OPENBLAS_NUM_THREADS=blas, OMP_NUM_THREADS=blas, MKL_NUM_THREADS=blas,
+                   PYTHONUNBUFFERED="1",
+                   LARQL_GRID_KEY=args.grid_key or secrets.token_urlsafe(24))  # to children by env, never argv
+    sup = Supervisor(log_dir, env)
+    common = ["--host", host, "--blas-threads", blas]
+
+    stopping = False
+
+    def on_signal(signum, frame):
+        nonlocal stopping
+        if stopping:
+            return
+        stopping = True
+        raise KeyboardInterrupt
+
+    # Explicitly, for both: a shell starting us in the background hands us SIGINT ignored.
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        embed_argv = ["larql-embed", str(paths["embed"]), "--port", str(embed_port), *common,
+                      "--join", router_url, "--public-url", url(embed_port)]
+        router_argv = ["larql-router", "--port", str(router_port), *common]
+        router = sup.start("router", router_argv, router_url)
+        embed = sup.start("embed", embed_argv, url(embed_port))
+        shards = []
+        ports = iter(ffn_ports)
+        for rng in ranges:
+            for i in range(args.replicas):
+                port = next(ports)
+                name = f"ffn-{rng}" + (f"-{i}" if args.replicas > 1 else "")
+                shards.append(sup.start(name, ["larql-ffn", str(paths["ffn"]), "--layers", str(rng), "--port", str(port),
+                                               *common, "--join", router_url, "--public-url", url(port)],
+                                        url(port), layers=str(rng)))
+        print(f"larql-grid: starting router, embed server and {len(shards)} FFN shard(s); logs in {log_dir}", flush=True)
+        deadline = time.monotonic() + args.ready_timeout
+        sup.wait_ready(sup.roles, deadline)
+        _wait_complete(router_url, deadline)
+        _print_ready(paths["client"], router, embed, shards, time.monotonic() - t0)
+        while True:
+            time.sleep(0.5)
+            for r in sup.exited():
+                if not r.info.get("reported"):
+                    r.info["reported"] = True
+                    print(f"larql-grid: {r.name} exited (code {r.popen.returncode}); last log lines:\n{r.log_tail(10)}",
+                          file=sys.stderr, flush=True)
+                    if r is router:
+                        raise LarqlError("the router stopped; stopping the grid")
+    except KeyboardInterrupt:
+        print("\nlarql-grid: stopping...", file=sys.stderr, flush=True)
+        return 0
+    except (RuntimeError, TimeoutError) as e:
+        raise LarqlError(str(e)) from None
+    finally:
+        # A second Ctrl-C (or a signal relayed by a wrapper) must not cut the clean-up short.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        sup.stop_all()
+        print("larql-grid: stopped.", file=sys.stderr, flush=True)
+
+
+def _wait_complete(router_url: str, deadline: float) -> None:
+    import httpx
+
+    view: dict = {}
+    while time.monotonic() < deadline:
+        try:
+            view = httpx.get(router_url + "/v1/grid", timeout=2.0).json()
+            if view.get("complete") and view.get("embed", 0) >= 1:
+                return
+        except (httpx.HTTPError, ValueError):
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"the grid did not cover every layer in time (gaps: {view.get('gaps')}, embed: {view.get('embed')})")
+
+
+def _print_ready(client_vindex: Path, router, embed, shards, seconds: float) -> None:
+    lines = [f"larql-grid: ready in {seconds:.1f}s", f"  router  {router.url}  (pid {router.pid}; members: {router.url}/v1/grid)",
+             f"  embed   {embed.url}  (pid {embed.pid})"]
+    lines += [f"  ffn     {s.url}  layers {s.info['layers']}  (pid {s.pid})" for s in shards]
+    cmd = shlex.join(["larql", "generate", "--vindex", str(client_vindex), "--ffn", router.url,
+                      "--prompt", "The capital of France is", "--max-tokens", "32"])
+    lines += ["", "Generate through the grid:", f"  {cmd}", "", "Ctrl-C stops the grid."]
+    print("\n".join(lines), flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_command("larql-grid", build_parser().parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

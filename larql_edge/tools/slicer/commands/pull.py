@@ -1,0 +1,38 @@
+from __future__ import annotations
+
+import argparse
+
+from larql_edge.tools.slicer.pull import pull
+from larql_edge.tools.slicer.commands._hubflags import add_hub_flags
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "pull",
+        help="download a published vindex, a preset, all slices or a collection (complete and verified)",
+    )
+    p.add_argument("repo", nargs="?", metavar="REPO", help="OWNER/NAME (not with --collection)")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--preset", help="pull the sibling repo of this preset")
+    g.add_argument("--all-slices", action="store_true", help="pull the full repo and every standard sibling")
+    g.add_argument("--collection", metavar="SLUG", help="pull every repo of a collection")
+    p.add_argument("--output", "-o", metavar="PATH", help="folder to hydrate (default: the Hub cache)")
+    p.add_argument("--revision", help="branch, tag or commit")
+    add_hub_flags(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    rep = pull(args.repo, preset=args.preset, all_slices=args.all_slices, collection=args.collection,
+               output=args.output, revision=args.revision, repo_type=args.repo_type,
+               template=args.slice_repo_template, endpoint=args.endpoint)
+    ok = [r for r in rep.results if not r.error]
+    print(f"Pulled {len(ok)}/{len(rep.results)} repos")
+    for r in rep.results:
+        print(f"  {r.repo:<48} {'FAILED: ' + r.error if r.error else r.path}")
+    if rep.siblings:
+        print("\n  Also available:")
+        for flag, name in rep.siblings:
+            print(f"    {flag:<16} -> {name}")
+        print("  Use `larql-slicer pull <repo> --all-slices` to grab them all.")
+    return 0 if len(ok) == len(rep.results) else 1

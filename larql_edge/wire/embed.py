@@ -1,0 +1,115 @@
+"""The embed server's binary wire (content type ``application/x-larql-ffn``, little-endian).
+
+- POST ``/v1/embed`` request: ``u32 n, u32 ids[n]``;
+  response: ``u32 seq_len, u32 hidden, f32[seq_len * hidden]`` (rows already scaled).
+- GET ``/v1/embed/{id}`` response: ``f32[hidden]``, no header.
+- POST ``/v1/logits`` request: ``f32[hidden]``, the residual before the final norm;
+  raw-logits response: ``f32[vocab]``.
+
+Decoders return numpy views of the body where they can (no copy) and raise `WireError` for any
+body whose length disagrees with its header or its element size.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+
+import numpy as np
+
+from larql_edge.wire import WireError
+
+U32 = np.dtype("<u4")
+F32 = np.dtype("<f4")
+_HEADER_1 = struct.Struct("<I")
+_HEADER_2 = struct.Struct("<II")
+
+
+def _aligned(body: bytes, what: str) -> None:
+    if len(body) % 4:
+        raise WireError(f"{what}: {len(body)} bytes is not a whole number of 4-byte values")
+
+
+# -- POST /v1/embed ---------------------------------------------------------------------------------
+
+
+def encode_embed_request(ids: Sequence[int] | np.ndarray) -> bytes:
+    arr = np.asarray(ids, dtype=np.int64)
+    if arr.ndim != 1 or (arr.size and (arr.min() < 0 or arr.max() > 0xFFFFFFFF)):
+        raise WireError("token ids must be a flat list of u32 values")
+    return _HEADER_1.pack(arr.size) + arr.astype(U32).tobytes()
+
+
+def decode_embed_request(body: bytes) -> np.ndarray:
+    """``u32 n, u32 ids[n]`` -> ``uint32[n]`` (n may be 0; the caller decides whether that is allowed)."""
+    if len(body) < 4:
+        raise WireError(f"embed request: {len(body)} bytes, need at least the 4-byte count")
+    _aligned(body, "embed request")
+    (n,) = _HEADER_1.unpack_from(body)
+    if len(body) != 4 + 4 * n:
+        raise WireError(f"embed request: header says {n} ids ({4 + 4 * n} bytes), body has {len(body)} bytes")
+    return np.frombuffer(body, dtype=U32, offset=4, count=n)
+
+
+def encode_embed_response(rows: np.ndarray) -> bytes:
+    rows = np.asarray(rows, dtype=F32)
+    if rows.ndim != 2:
+        raise WireError("embed response rows must be [seq_len, hidden]")
+    return _HEADER_2.pack(*rows.shape) + rows.tobytes()
+
+
+def encode_embed_response_parts(seq_len: int, hidden: int, parts: Sequence[bytes]) -> bytes:
+    """Same framing from ready-made row bytes (the hot cache keeps rows already encoded)."""
+    return b"".join((_HEADER_2.pack(seq_len, hidden), *parts))
+
+
+def decode_embed_response(body: bytes) -> np.ndarray:
+    if len(body) < 8:
+        raise WireError(f"embed response: {len(body)} bytes, need the 8-byte header")
+    _aligned(body, "embed response")
+    seq, hidden = _HEADER_2.unpack_from(body)
+    if len(body) != 8 + 4 * seq * hidden:
+        raise WireError(f"embed response: header says {seq}x{hidden} values, body has {len(body) - 8} bytes")
+    return np.frombuffer(body, dtype=F32, offset=8).reshape(seq, hidden)
+
+
+# -- GET /v1/embed/{id} -----------------------------------------------------------------------------
+
+
+def encode_row(row: np.ndarray) -> bytes:
+    return np.ascontiguousarray(row, dtype=F32).tobytes()
+
+
+def decode_row(body: bytes, hidden: int | None = None) -> np.ndarray:
+    _aligned(body, "embedding row")
+    if hidden is not None and len(body) != 4 * hidden:
+        raise WireError(f"embedding row: {len(body)} bytes, expected {4 * hidden} (hidden {hidden})")
+    return np.frombuffer(body, dtype=F32)
+
+
+# -- POST /v1/logits ---------------------------------------------------------------------------------
+
+
+def encode_logits_request(residual: np.ndarray) -> bytes:
+    r = np.asarray(residual, dtype=F32)
+    if r.ndim != 1:
+        raise WireError("logits request: the residual is one position, a flat f32[hidden]")
+    return r.tobytes()
+
+
+def decode_logits_request(body: bytes, hidden: int) -> np.ndarray:
+    _aligned(body, "logits request")
+    if len(body) != 4 * hidden:
+        raise WireError(f"logits request: {len(body) // 4} values, expected hidden size {hidden}")
+    return np.frombuffer(body, dtype=F32)
+
+
+def encode_logits_response(logits: np.ndarray) -> bytes:
+    return np.ascontiguousarray(logits, dtype=F32).tobytes()
+
+
+def decode_logits_response(body: bytes, vocab: int | None = None) -> np.ndarray:
+    _aligned(body, "logits response")
+    if vocab is not None and len(body) != 4 * vocab:
+        raise WireError(f"logits response: {len(body) // 4} values, expected vocab size {vocab}")
+    return np.frombuffer(body, dtype=F32)
