@@ -32,12 +32,20 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import numpy as np
 
-from larql_edge.format.quant import BLOCK, VINDEX_FORMATS, QBlocks, QuantError, padded, quantize_matrix, row_bytes
-from larql_edge.format.quant import dequantize_matrix
+from larql_edge.format.quant import (
+    BLOCK,
+    VINDEX_FORMATS,
+    QBlocks,
+    QuantError,
+    dequantize_matrix,
+    padded,
+    quantize_matrix,
+    row_bytes,
+)
 from larql_edge.tools.slicer.errors import VindexError
 
 ATTN_Q4K = "attn_weights_q4k.bin"
@@ -215,10 +223,11 @@ class Q4kWeights:
     def _entries(self, binary: str, manifest: str, per_layer: int, key_of) -> list[Q4kEntry]:
         got = self._positional.get(binary)
         if got is None:
+            size = self._map(binary).size
             mp = self.path / manifest
             if not mp.is_file():
                 raise VindexError(f"{self.path}: {binary} has no {manifest}")
-            got = parse_q4k_manifest(mp, self._map(binary).size)
+            got = parse_q4k_manifest(mp, size)
             want = per_layer * self.num_layers
             if len(got) != want:
                 raise VindexError(f"{mp}: {len(got)} entries, expected {want} ({per_layer} per layer x {self.num_layers} layers)")
@@ -409,7 +418,7 @@ class Q4kWriter:
     def _write(self, name: str, data: np.ndarray) -> tuple[int, int]:
         f = self._files.get(name)
         if f is None:
-            f = open(self.folder / name, "wb")
+            f = open(self.folder / name, "wb")  # noqa: SIM115 - stays open across calls; closed in close()
             self._files[name] = f
             self._offsets[name] = 0
         off = self._offsets[name]
@@ -481,7 +490,7 @@ class Q4kWriter:
             f.close()
         self._files.clear()
 
-    def __enter__(self) -> "Q4kWriter":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:
