@@ -223,12 +223,35 @@ def test_transcode_keeps_k_quant_blocks_and_converts_the_rest():
     shifted, was_kept = Q.transcode_gguf("Q4_K", q4, rows, cols, "Q4_K", transform=lambda m: m - 1)
     assert not was_kept and np.allclose(Q.dequantize_matrix(shifted), gguf.quants.dequantize(q4, GT.Q4_K) - 1, atol=0.1)
 
+    chunked, _ = Q.transcode_gguf("Q8_0", q8, rows, cols, "Q4_K", row_order=order, chunk_rows=4)  # 4 + 2 rows
+    whole, _ = Q.transcode_gguf("Q8_0", q8, rows, cols, "Q4_K", row_order=order)
+    assert np.array_equal(chunked.data, whole.data)
+    assert np.array_equal(whole.data, Q.quantize_matrix(gguf.quants.dequantize(q8, GT.Q8_0)[order], "Q4_K").data)
+
+    with pytest.raises(Q.QuantError, match="not a permutation"):
+        Q.transcode_gguf("Q4_K", q4, rows, cols, "Q4_K", row_order=[0, 0, 1, 2, 3, 4])
     with pytest.raises(Q.QuantError, match="Q4_K or Q6_K"):
         Q.transcode_gguf("Q4_K", q4, rows, cols, "Q8_0")
-    with pytest.raises(Q.QuantError, match="needs"):
+    with pytest.raises(Q.QuantError, match="do not split into"):
+        Q.transcode_gguf("Q4_K", q4.reshape(-1)[:-1], rows, cols, "Q4_K")
+    with pytest.raises(Q.QuantError, match="needs 1728 bytes, has 1440"):
         Q.transcode_gguf("Q4_K", q4[:-1], rows, cols, "Q4_K")
     with pytest.raises(Q.QuantError, match="unknown GGUF tensor type"):
         Q.transcode_gguf("Q9_Z", q4, rows, cols, "Q4_K")
+
+
+def test_transcode_row_order_undoes_llama_cpp_qk_permutation():
+    """The extractor's f32 ``unpermute_qk`` as a row order, applied to kept Q4_K blocks."""
+    from larql_edge.tools.slicer.extract._gguf import unpermute_qk
+
+    rows, cols, n_head = 16, 256, 2
+    w = np.random.default_rng(12).standard_normal((rows, cols)).astype(np.float32)
+    blocks = Q.quantize_q4_k(w).reshape(rows, -1)
+    order = unpermute_qk(np.arange(rows)[:, None], n_head)[:, 0]
+    kept, was_kept = Q.transcode_gguf("Q4_K", blocks, rows, cols, "Q4_K", row_order=order)
+    assert was_kept
+    deq = gguf.quants.dequantize(blocks, GT.Q4_K)
+    assert np.array_equal(Q.dequantize_matrix(kept), unpermute_qk(deq, n_head))
 
 
 # -- the q4k weight files -------------------------------------------------------------------------
@@ -320,6 +343,19 @@ def test_q4k_files_round_trip(tmp_path):
         w.finish()
         assert w.kept == 2 * 7 + 1
     for f in (ATTN_Q4K, ATTN_Q4K_MANIFEST, FFN_Q4K, FFN_Q4K_MANIFEST, NORMS, LM_HEAD_Q4, WEIGHT_MANIFEST):
+        assert filecmp.cmp(a / f, b / f, shallow=False), f
+
+
+def test_writer_quantizes_in_row_chunks_to_the_same_bytes(tmp_path, monkeypatch):
+    import larql_edge.format.q4k as q4k_mod
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    _write_random(a, np.random.default_rng(13))
+    monkeypatch.setattr(q4k_mod, "QUANTIZE_ROWS", 7)  # 48, 16, 300 and 40 rows: ragged chunks
+    _write_random(b, np.random.default_rng(13))
+    for f in (ATTN_Q4K, FFN_Q4K, LM_HEAD_Q4, ATTN_Q4K_MANIFEST, FFN_Q4K_MANIFEST, WEIGHT_MANIFEST):
         assert filecmp.cmp(a / f, b / f, shallow=False), f
 
 

@@ -377,19 +377,40 @@ class Q4kWeights:
                 self.vector(key)
 
 
-def _as_blocks(w: np.ndarray | QBlocks, fmt: str, what: str) -> QBlocks:
-    if isinstance(w, QBlocks):
-        if w.format != fmt:
-            raise VindexError(f"{what}: the slot is {fmt}, given {w.format} blocks (convert with quant.transcode_gguf)")
-        if w.data.dtype != np.uint8 or w.data.size != w.rows * row_bytes(fmt, w.padded_cols):
-            raise VindexError(f"{what}: {w.data.size} bytes is not {fmt} [{w.rows}, {w.padded_cols}]")
-        if padded(w.logical_cols) != w.padded_cols:
-            raise VindexError(f"{what}: {w.logical_cols} columns do not pad to {w.padded_cols}")
-        return w
+QUANTIZE_ROWS = 4096  # rows quantized at a time: bounds the padded f32 copy, not the output bytes
+
+
+def _check_blocks(q: QBlocks, fmt: str, what: str) -> QBlocks:
+    if q.format != fmt:
+        raise VindexError(f"{what}: the slot is {fmt}, given {q.format} blocks (convert with quant.transcode_gguf)")
     try:
-        return quantize_matrix(w, fmt)
+        need = q.rows * row_bytes(fmt, q.padded_cols)
     except QuantError as e:
         raise VindexError(f"{what}: {e}") from None
+    if q.data.dtype != np.uint8 or q.data.size != need:
+        raise VindexError(f"{what}: {q.data.size} bytes is not {fmt} [{q.rows}, {q.padded_cols}]")
+    if padded(q.logical_cols) != q.padded_cols:
+        raise VindexError(f"{what}: {q.logical_cols} columns do not pad to {q.padded_cols}")
+    return q
+
+
+def _quantized_parts(w, fmt: str, what: str):
+    """(rows, logical_cols, padded_cols, iterator of uint8 row blocks) for an array or `QBlocks`."""
+    if isinstance(w, QBlocks):
+        q = _check_blocks(w, fmt, what)
+        return q.rows, q.logical_cols, q.padded_cols, iter([q.data])
+    a = np.asarray(w)
+    if a.ndim != 2 or a.shape[0] == 0 or a.shape[1] == 0:
+        raise VindexError(f"{what}: expected a non-empty [out, in] matrix, got shape {a.shape}")
+
+    def chunks():
+        for r in range(0, a.shape[0], QUANTIZE_ROWS):
+            try:
+                yield quantize_matrix(a[r : r + QUANTIZE_ROWS], fmt).data
+            except QuantError as e:
+                raise VindexError(f"{what}: {e}") from None
+
+    return a.shape[0], a.shape[1], padded(a.shape[1]), chunks()
 
 
 class Q4kWriter:
@@ -433,32 +454,39 @@ class Q4kWriter:
         if layer >= self.num_layers:
             raise VindexError(f"{file}: layer {layer} is beyond num_layers={self.num_layers}")
 
-    def _add(self, file: str, manifest: list[Q4kEntry], key: str, fmt: str, w, in_cols: int, out_rows: int | None) -> QBlocks:
-        q = _as_blocks(w, fmt, key)
-        if q.logical_cols != in_cols:
-            raise VindexError(f"{key}: {q.logical_cols} input columns, expected {in_cols}")
-        if out_rows is not None and q.rows != out_rows:
-            raise VindexError(f"{key}: {q.rows} rows, expected {out_rows}")
-        off, n = self._write(file, q.data)
-        manifest.append(Q4kEntry(key, fmt, q.rows, q.padded_cols, off, n, file))
+    def _stream(self, file: str, key: str, fmt: str, w, in_cols: int, out_rows: int | None) -> tuple[int, int, int, int]:
+        rows, cols, pcols, parts = _quantized_parts(w, fmt, key)
+        if cols != in_cols:
+            raise VindexError(f"{key}: {cols} input columns, expected {in_cols}")
+        if out_rows is not None and rows != out_rows:
+            raise VindexError(f"{key}: {rows} rows, expected {out_rows}")
+        start, total = self._offsets.get(file, 0), 0
+        for part in parts:
+            _, n = self._write(file, part)
+            total += n
         self.kept += isinstance(w, QBlocks)
-        return q
+        return rows, pcols, start, total
+
+    def _add(self, file: str, manifest: list[Q4kEntry], key: str, fmt: str, w, in_cols: int, out_rows: int | None) -> int:
+        rows, pcols, off, n = self._stream(file, key, fmt, w, in_cols, out_rows)
+        manifest.append(Q4kEntry(key, fmt, rows, pcols, off, n, file))
+        return rows
 
     def add_attn(self, layer: int, q, k, v, o) -> None:
         self._expect_layer(ATTN_Q4K, layer)
-        h = self.hidden_size
-        qb = self._add(ATTN_Q4K, self.attn_manifest, attn_key(layer, 0), "Q4_K", q, h, None)
-        self._add(ATTN_Q4K, self.attn_manifest, attn_key(layer, 1), "Q4_K", k, h, None)
-        self._add(ATTN_Q4K, self.attn_manifest, attn_key(layer, 2), "Q6_K", v, h, None)
-        self._add(ATTN_Q4K, self.attn_manifest, attn_key(layer, 3), "Q4_K", o, qb.rows, h)
+        h, fm = self.hidden_size, ATTN_FORMATS
+        q_rows = self._add(ATTN_Q4K, self.attn_manifest, attn_key(layer, 0), fm[0], q, h, None)
+        self._add(ATTN_Q4K, self.attn_manifest, attn_key(layer, 1), fm[1], k, h, None)
+        self._add(ATTN_Q4K, self.attn_manifest, attn_key(layer, 2), fm[2], v, h, None)
+        self._add(ATTN_Q4K, self.attn_manifest, attn_key(layer, 3), fm[3], o, q_rows, h)
         self._next[ATTN_Q4K] += 1
 
     def add_ffn(self, layer: int, gate, up, down) -> None:
         self._expect_layer(FFN_Q4K, layer)
         h, fm = self.hidden_size, self.ffn_formats
-        g = self._add(FFN_Q4K, self.ffn_manifest, ffn_key(layer, 0), fm[0], gate, h, None)
-        self._add(FFN_Q4K, self.ffn_manifest, ffn_key(layer, 1), fm[1], up, h, g.rows)
-        self._add(FFN_Q4K, self.ffn_manifest, ffn_key(layer, 2), fm[2], down, g.rows, h)
+        g_rows = self._add(FFN_Q4K, self.ffn_manifest, ffn_key(layer, 0), fm[0], gate, h, None)
+        self._add(FFN_Q4K, self.ffn_manifest, ffn_key(layer, 1), fm[1], up, h, g_rows)
+        self._add(FFN_Q4K, self.ffn_manifest, ffn_key(layer, 2), fm[2], down, g_rows, h)
         self._next[FFN_Q4K] += 1
 
     def add_norm(self, key: str, vec: np.ndarray) -> None:
@@ -476,13 +504,9 @@ class Q4kWriter:
         """The untied lm_head ``[vocab, hidden]`` as Q4_K into lm_head_q4.bin."""
         if self._lm_head:
             raise VindexError(f"{LM_HEAD_Q4}: lm_head given twice")
-        q = _as_blocks(w, "Q4_K", "lm_head.weight")
-        if q.logical_cols != self.hidden_size:
-            raise VindexError(f"lm_head.weight: {q.logical_cols} columns, expected hidden_size={self.hidden_size}")
-        off, n = self._write(LM_HEAD_Q4, q.data)
-        self.kept += isinstance(w, QBlocks)
+        rows, pcols, off, n = self._stream(LM_HEAD_Q4, "lm_head.weight", "Q4_K", w, self.hidden_size, None)
         # LARQL appends this entry after every norm entry, whenever it is given.
-        self._lm_head = {"key": "lm_head.weight", "kind": "tensor_q4k", "shape": [q.rows, q.padded_cols],
+        self._lm_head = {"key": "lm_head.weight", "kind": "tensor_q4k", "shape": [rows, pcols],
                          "offset": off, "length": n, "file": LM_HEAD_Q4}
 
     def close(self) -> None:

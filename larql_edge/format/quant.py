@@ -430,26 +430,34 @@ def transcode_gguf(
     target: str,
     row_order: np.ndarray | None = None,
     transform=None,
+    chunk_rows: int = 4096,
 ) -> tuple[QBlocks, bool]:
     """A GGUF tensor ``[rows, cols]`` (``[out, in]``) as blocks of ``target``; returns (blocks, kept).
 
     ``qtype`` is the GGUF type name (``ReaderTensor.tensor_type.name``), ``data`` its raw bytes
     (``ReaderTensor.data``, any dtype). ``row_order`` reorders rows (e.g. undoing llama.cpp's Q/K
     permutation: ``out[i] = in[row_order[i]]``), which is lossless on blocks since each row is whole
-    blocks. ``transform`` (f32 matrix -> f32 matrix) forces the dequantize path.
+    blocks. ``transform`` (a row-wise f32 function, applied per chunk of rows) forces the dequantize
+    path. Converted tensors go ``chunk_rows`` rows at a time, so the f32 copy stays bounded.
     """
     import gguf
 
     if target not in VINDEX_FORMATS:
         raise QuantError(f"vindex blocks are Q4_K or Q6_K, not {target!r}")
+    if rows <= 0 or cols <= 0:
+        raise QuantError(f"bad tensor shape [{rows}, {cols}]")
     raw = np.ascontiguousarray(data).view(_U8).reshape(-1)
+    if raw.size % rows:
+        raise QuantError(f"{qtype} tensor [{rows}, {cols}]: {raw.size} bytes do not split into {rows} rows")
+    src = raw.reshape(rows, -1)  # every GGUF row is whole blocks (ne0 is a multiple of the block size)
+    order = None if row_order is None else np.asarray(row_order)
+    if order is not None and sorted(order.tolist()) != list(range(rows)):
+        raise QuantError(f"row_order is not a permutation of {rows} rows")
     if (qtype, target) in KEEPABLE and transform is None:
-        rb = row_bytes(qtype, cols)  # GGUF K-quant rows are whole super-blocks by construction
-        if raw.size != rows * rb:
+        rb = row_bytes(qtype, cols)
+        if src.shape[1] != rb:
             raise QuantError(f"{qtype} tensor [{rows}, {cols}] needs {rows * rb} bytes, has {raw.size}")
-        b = raw.reshape(rows, rb)
-        if row_order is not None:
-            b = b[np.asarray(row_order)]
+        b = src if order is None else src[order]
         if qtype == "Q6_K":
             b = q6k_from_ggml(b).reshape(rows, rb)
         return QBlocks(target, rows, cols, cols, np.ascontiguousarray(b)), True
@@ -457,12 +465,15 @@ def transcode_gguf(
         t = gguf.GGMLQuantizationType[qtype]
     except KeyError:
         raise QuantError(f"unknown GGUF tensor type {qtype!r}") from None
-    try:
-        w = np.asarray(gguf.quants.dequantize(raw, t), dtype=_F32).reshape(rows, cols)
-    except (ValueError, NotImplementedError) as e:
-        raise QuantError(f"cannot dequantize a {qtype} tensor [{rows}, {cols}] ({e})") from None
-    if row_order is not None:
-        w = w[np.asarray(row_order)]
-    if transform is not None:
-        w = np.asarray(transform(w), dtype=_F32)
-    return quantize_matrix(w, target), False
+    out = np.empty((rows, row_bytes(target, padded(cols))), dtype=_U8)
+    for r0 in range(0, rows, max(1, chunk_rows)):
+        r1 = min(rows, r0 + chunk_rows)
+        part = src[r0:r1] if order is None else src[order[r0:r1]]
+        try:
+            w = np.asarray(gguf.quants.dequantize(part, t), dtype=_F32).reshape(r1 - r0, cols)
+        except (ValueError, NotImplementedError) as e:
+            raise QuantError(f"cannot dequantize a {qtype} tensor [{rows}, {cols}] ({e})") from None
+        if transform is not None:
+            w = np.asarray(transform(w), dtype=_F32)
+        out[r0:r1] = quantize_matrix(w, target).data
+    return QBlocks(target, rows, padded(cols), cols, out), False
