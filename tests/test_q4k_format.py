@@ -605,6 +605,9 @@ def test_truncated_and_missing_files(q4k_copy):
         f.truncate(100)
     with pytest.raises(VindexError, match="lm_head.weight needs"):
         Q4kWeights(q4k_copy).lm_head()
+    (q4k_copy / LM_HEAD_Q4).unlink()  # untied, but the lm_head file was left out: not "tied"
+    with pytest.raises(VindexError, match="which is missing"):
+        Q4kWeights(q4k_copy).lm_head()
     with open(q4k_copy / NORMS, "r+b") as f:
         f.truncate(8)
     with pytest.raises(VindexError, match="outside the file"):

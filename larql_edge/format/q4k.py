@@ -317,10 +317,12 @@ class Q4kWeights:
 
     def lm_head(self) -> QBlocks | None:
         """The untied lm_head as Q4_K blocks, or None when the vindex has none (tied model)."""
-        if not self.has(LM_HEAD_Q4):
-            return None
         mp = self.path / WEIGHT_MANIFEST
         e = self.weight_entries.get("lm_head.weight")
+        if not self.has(LM_HEAD_Q4):
+            if e is not None and e.get("kind") == "tensor_q4k":
+                raise VindexError(f"{mp} lists lm_head.weight in {LM_HEAD_Q4}, which is missing (sliced out?)")
+            return None
         if e is None or e.get("kind") != "tensor_q4k" or e.get("file", LM_HEAD_Q4) != LM_HEAD_Q4:
             raise VindexError(f"{mp}: {LM_HEAD_Q4} exists but has no lm_head.weight entry of kind tensor_q4k")
         shape = e["shape"]
