@@ -24,22 +24,19 @@ import os
 import re
 import statistics
 import subprocess
-import sys
 import tempfile
 import threading
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import httpx  # noqa: E402
 import numpy as np  # noqa: E402
+from _support import tree_cpu  # noqa: E402  (benchmarks/ is the script's folder)
 
-from tests._edge import NginxEdge, VarnishEdge, require_program  # noqa: E402
-
-from _proc import tree_cpu  # noqa: E402  (benchmarks/ is the script's folder)
-from tests._servers import running_server  # noqa: E402
+from larql_edge.testing.edge import NginxEdge, VarnishEdge, require_program  # noqa: E402
+from larql_edge.testing.servers import running_server  # noqa: E402
 
 BINARY = "application/x-larql-ffn"
 

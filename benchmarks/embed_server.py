@@ -38,13 +38,14 @@ import httpx  # noqa: E402
 import numpy as np  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 
-from tests._servers import ServerProcess, console_script, free_port  # noqa: E402
-from _proc import tree_cpu  # noqa: E402  (benchmarks/ is the script's folder)
+from _support import tree_cpu  # noqa: E402  (benchmarks/ is the script's folder)
+
+from larql_edge.testing.servers import start_server  # noqa: E402
+from larql_edge.tools.grid.supervisor import Role, free_port  # noqa: E402
+from larql_edge.tools.slicer.slice import slice_vindex  # noqa: E402
 
 BIN = "application/x-larql-ffn"
-PRESET = ("index.json", "embeddings.bin", "tokenizer.json", "weight_manifest.json", "norms.bin", "lm_head.bin")
 
 lines: list[str] = []
 
@@ -55,29 +56,18 @@ def say(text: str = "") -> None:
 
 
 def embed_preset(src: Path, dst: Path) -> Path:
-    dst.mkdir(parents=True, exist_ok=True)
-    for n in PRESET:
-        if (src / n).exists():
-            try:
-                os.link(src / n, dst / n)
-            except OSError:
-                shutil.copy2(src / n, dst / n)
+    slice_vindex(src, dst, preset="embed", log=lambda m: None)
     return dst
 
 
-def start(vindex: Path, cache: Path, *extra: str) -> tuple[ServerProcess, float]:
-    port = free_port()
-    argv = console_script("larql-embed", "larql_edge.roles.embed.cli") + [
-        f"model={vindex}", "--host", "127.0.0.1", "--port", str(port), "--lm-head-cache", str(cache),
-        "--blas-threads", "1", *extra,
-    ]  # fmt: skip
+def start(vindex: Path, cache: Path, *extra: str) -> tuple[Role, float]:
     t0 = time.perf_counter()
-    srv = ServerProcess(argv, port).start()
+    srv = start_server("larql-embed", [f"model={vindex}", "--lm-head-cache", str(cache), "--blas-threads", "1", *extra])
     srv.wait_ready(600)
     return srv, time.perf_counter() - t0
 
 
-def worker_pid(srv: ServerProcess) -> int:
+def worker_pid(srv: Role) -> int:
     return int(httpx.get(srv.url + "/v1/stats").json()["worker"]["pid"])
 
 
@@ -190,7 +180,7 @@ http {{
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def get_throughput(srv: ServerProcess, hidden: int, workers: int, duration: float, conns: int, rounds: int) -> None:
+def get_throughput(srv: Role, hidden: int, workers: int, duration: float, conns: int, rounds: int) -> None:
     script = Path(tempfile.mkstemp(suffix=".lua")[1])
     # Cycle over 1000 ids: a decode-like mix that the hot cache holds after the first pass.
     script.write_text('c = 0\nrequest = function()\n  c = (c + 1) % 1000\n  return wrk.format("GET", "/v1/embed/" .. c)\nend\n')
@@ -215,7 +205,7 @@ def get_throughput(srv: ServerProcess, hidden: int, workers: int, duration: floa
         res = {"larql-embed": [], "nginx": [], "bare Sanic": []}
         for _ in range(rounds):  # interleaved, so all see the same background load
             res["nginx"].append(wrk_cpu(ng.proc.pid, ng.url, duration, conns))
-            res["larql-embed"].append(wrk_cpu(srv.proc.pid, srv.url, duration, conns, script))
+            res["larql-embed"].append(wrk_cpu(srv.pid, srv.url, duration, conns, script))
             res["bare Sanic"].append(wrk_cpu(bare.pid, bare_url, duration, conns, script))
     finally:
         ng.stop()
@@ -243,21 +233,21 @@ def get_throughput(srv: ServerProcess, hidden: int, workers: int, duration: floa
 # -- logits ----------------------------------------------------------------------------------------------
 
 
-def _lm_head(srv: ServerProcess, vindex: Path) -> np.ndarray:
+def _lm_head(srv: Role, vindex: Path) -> np.ndarray:
     stats = httpx.get(srv.url + "/v1/stats").json()
     hidden, vocab = stats["hidden_size"], stats["vocab_size"]
     path = stats["lm_head"]["path"]
     if path:  # the very file the server multiplies by
         w = np.memmap(path, dtype="<f4", mode="r", shape=(vocab, hidden))
     else:
-        from larql_edge.model.weights import lm_head_matrix
         from larql_edge.format.vindex import Vindex
+        from larql_edge.model.weights import lm_head_matrix
 
         w = np.ascontiguousarray(lm_head_matrix(Vindex.open(vindex)), dtype=np.float32)
     return w
 
 
-def logits_latency(srv: ServerProcess, vindex: Path, n: int, blas: int) -> None:
+def logits_latency(srv: Role, vindex: Path, n: int, blas: int) -> None:
     from threadpoolctl import threadpool_limits
 
     w = _lm_head(srv, vindex)
@@ -288,7 +278,7 @@ def logits_latency(srv: ServerProcess, vindex: Path, n: int, blas: int) -> None:
     )
 
 
-def logits_concurrency(srv: ServerProcess, vindex: Path, conc: int, rounds: int, blas: int) -> None:
+def logits_concurrency(srv: Role, vindex: Path, conc: int, rounds: int, blas: int) -> None:
     from threadpoolctl import threadpool_limits
 
     w = _lm_head(srv, vindex)
@@ -349,7 +339,7 @@ def natural_text() -> tuple[str, str]:
     return "\n\n".join(pydoc.render_doc(m, renderer=pydoc.plaintext) for m in mods), "Python stdlib docs"
 
 
-def hot_cache_hit_rate(srv: ServerProcess, vocab: int) -> None:
+def hot_cache_hit_rate(srv: Role, vocab: int) -> None:
     from larql_edge.roles.embed.store import HotCache
 
     text, source = natural_text()
@@ -397,7 +387,7 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="bench-embed-"))
     preset = embed_preset(full, work / "embed")
     table_mb = (preset / "embeddings.bin").stat().st_size / 2**20
-    servers: list[ServerProcess] = []
+    servers: list[Role] = []
     try:
         say(f"== larql-embed benchmark: {preset.name} preset of {full.name} ==")
         say(f"machine: {os.cpu_count()} cores, load average at start {os.getloadavg()[0]:.2f}; server --blas-threads 1")
@@ -460,7 +450,6 @@ def main() -> int:
     finally:
         for s in servers:
             s.stop()
-            s.cleanup()
         shutil.rmtree(work, ignore_errors=True)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

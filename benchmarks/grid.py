@@ -28,16 +28,15 @@ import psutil  # noqa: E402
 from threadpoolctl import threadpool_limits  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
+from larql_edge.format.layers import split_even  # noqa: E402
+from larql_edge.format.vindex import Vindex  # noqa: E402
+from larql_edge.model.forward import Transformer  # noqa: E402
 from larql_edge.roles.client._build import build_remote  # noqa: E402
 from larql_edge.tools.grid.cli import role_vindexes  # noqa: E402
-from larql_edge.format.layers import split_even  # noqa: E402
 from larql_edge.tools.grid.supervisor import Supervisor, pick_ports, role_env  # noqa: E402
-from larql_edge.model.forward import Transformer  # noqa: E402
 from larql_edge.wire import embed as ew  # noqa: E402
 from larql_edge.wire import ffn as fw  # noqa: E402
-from larql_edge.format.vindex import Vindex  # noqa: E402
 
 TEXT = ("The history of the city begins with a small settlement on the river, where fishermen and traders met "
         "to exchange goods. Over the centuries it grew into a busy port, then a capital, and today it is known "

@@ -7,17 +7,14 @@ the Hub-protocol test server: bytes uploaded the second time divided by the firs
 from __future__ import annotations
 
 import os
-import sys
 import tempfile
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.update(HF_HUB_DISABLE_XET="1", HF_HUB_DISABLE_TELEMETRY="1")
 
 from larql_edge.tools.slicer.cache import cached_vindex  # noqa: E402
 from larql_edge.tools.slicer.publish import publish  # noqa: E402
-from tests.hubserver import HubServer  # noqa: E402
+from larql_edge.testing.hubserver import HubServer  # noqa: E402
 
 
 def main() -> None:

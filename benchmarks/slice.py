@@ -8,15 +8,13 @@ from __future__ import annotations
 import argparse
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from larql_edge.format.presets import PRESETS  # noqa: E402
 from larql_edge.tools.slicer.cache import cached_vindex  # noqa: E402
-from larql_edge.tools.slicer.slice import PRESETS, slice_vindex  # noqa: E402
+from larql_edge.tools.slicer.slice import slice_vindex  # noqa: E402
 
 
 def main() -> None:

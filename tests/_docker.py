@@ -18,7 +18,6 @@ os.environ["TESTCONTAINERS_RYUK_DISABLED"] = "true"
 
 import json
 import shutil
-import socket
 import subprocess
 import time
 import uuid
@@ -27,6 +26,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+
+from larql_edge.tools.grid.supervisor import free_port  # noqa: F401  (the tests call dk.free_port)
 
 ROOT = Path(__file__).resolve().parents[1]
 BUILD_IMAGES = ROOT / "docker" / "build-images.sh"
@@ -90,12 +91,6 @@ def build_images() -> dict:
     report = proc.stderr[proc.stderr.rfind("build-images:"):]
     print(f"\n[containers] docker/build-images.sh took {seconds:.0f}s\n{report}")
     return {"seconds": seconds, "report": report}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---- containers on a private network ----------------------------------------------------------

@@ -1,14 +1,12 @@
 """Real grid processes on loopback for the tests: start, wait until ready, always clean up.
 
-Each process runs in its own session (process group) so stopping it also stops anything it
-started; `Procs` stops everything it started, even when a test fails. Every wait is bounded.
+Every process is started through the grid supervisor (`larql_edge.tools.grid.supervisor`, the one
+process helper), in its own session so stopping it stops what it started; `Procs` stops everything
+it started, even when a test fails. Every wait is bounded.
 """
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -17,82 +15,21 @@ from pathlib import Path
 
 import httpx
 
+from larql_edge.testing.servers import console_script, server_env
+from larql_edge.tools.grid.supervisor import Role, Supervisor, free_port
+
 GRID_KEY = "test-grid-key-0123456789"  # the tests' key; asserted absent from every log
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def child_env(**extra: str) -> dict[str, str]:
-    """The environment of a started role: hermetic (no stray LARQL_* flag twins), 1 BLAS thread."""
-    from larql_edge.tools.grid.supervisor import role_env
-
-    return role_env(dict(os.environ), OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
-                    PYTHONUNBUFFERED="1", **extra)
-
-
-class Proc:
-    def __init__(self, name: str, argv: list[str], port: int | None, env: dict[str, str], logdir: Path):
-        self.name, self.argv, self.port = name, argv, port
-        self.log_path = logdir / f"{name}.log"
-        self._log = open(self.log_path, "wb")
-        self.popen = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env=env,
-                                      start_new_session=True, stdin=subprocess.DEVNULL)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def log(self) -> str:
-        if not self._log.closed:
-            self._log.flush()
-        return self.log_path.read_text(errors="replace")
-
-    def wait_ready(self, timeout: float = 60.0, path: str = "/v1/ready") -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.popen.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.popen.returncode}:\n{self.log()[-3000:]}")
-            try:
-                if httpx.get(self.url + path, timeout=1.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        raise TimeoutError(f"{self.name} not ready after {timeout}s:\n{self.log()[-3000:]}")
-
-    def alive(self) -> bool:
-        return self.popen.poll() is None
-
-    def kill(self, sig: int = signal.SIGKILL) -> None:
-        """Kill the process group (hard by default: a crash, not a clean stop)."""
-        if self.popen.poll() is None:
-            try:
-                os.killpg(self.popen.pid, sig)
-            except ProcessLookupError:
-                pass
-        try:
-            self.popen.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.popen.pid, signal.SIGKILL)
-            self.popen.wait(timeout=10)
-
-    def stop(self) -> None:
-        self.kill(signal.SIGTERM)
-        if not self._log.closed:
-            self._log.close()
+__all__ = ["GRID_KEY", "Procs", "Role", "free_port", "server_env", "wait_grid", "start_grid", "larql", "StubEmbed"]
 
 
 class Procs:
     """Starts grid roles; a context manager that stops them all on exit."""
 
     def __init__(self, logdir: Path | None = None, **env: str):
-        self.logdir = Path(logdir or tempfile.mkdtemp(prefix="larql-grid-test-"))
-        self.env = child_env(LARQL_GRID_KEY=GRID_KEY, **env)
-        self.procs: list[Proc] = []
+        self.sup = Supervisor(Path(logdir or tempfile.mkdtemp(prefix="larql-grid-test-")),
+                              server_env(LARQL_GRID_KEY=GRID_KEY, **env))
+        self.procs = self.sup.roles
 
     def __enter__(self) -> "Procs":
         return self
@@ -101,25 +38,22 @@ class Procs:
         self.stop_all()
 
     def stop_all(self) -> None:
-        for p in reversed(self.procs):
-            p.stop()
+        self.sup.stop_all()
 
     def start(self, name: str, script: str, *args: str, port: int | None = None, env: dict | None = None,
-              with_port: bool = True) -> Proc:
+              with_port: bool = True) -> Role:
         port = port or free_port()
-        argv = [script, *args] + (["--port", str(port)] if with_port else [])
-        p = Proc(name, argv, port, dict(self.env, **(env or {})), self.logdir)
-        self.procs.append(p)
-        return p
+        argv = [*console_script(script), *args] + (["--port", str(port)] if with_port else [])
+        return self.sup.start(name, argv, f"http://127.0.0.1:{port}", env=env)
 
-    def router(self, *args: str, name: str = "router", port: int | None = None) -> Proc:
+    def router(self, *args: str, name: str = "router", port: int | None = None) -> Role:
         return self.start(name, "larql-router", "--heartbeat-interval", "0.25", *args, port=port)
 
-    def shard(self, vindex: Path, layers: str, router: Proc | None, name: str | None = None, *args: str) -> Proc:
+    def shard(self, vindex: Path, layers: str, router: Role | None, name: str | None = None, *args: str) -> Role:
         join = ["--join", router.url] if router is not None else []
         return self.start(name or f"ffn-{layers}", "larql-ffn", str(vindex), "--layers", layers, *join, *args)
 
-    def embed(self, vindex: Path, router: Proc | None, name: str = "embed", *args: str) -> Proc:
+    def embed(self, vindex: Path, router: Role | None, name: str = "embed", *args: str) -> Role:
         join = ["--join", router.url] if router is not None else []
         return self.start(name, "larql-embed", str(vindex), *join, *args)
 
@@ -145,8 +79,8 @@ def wait_grid(router_url: str, *, complete: bool = True, embed: int = 0, members
 
 
 def larql(*args: str, timeout: float = 120.0, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(["larql", *args], capture_output=True, text=True, timeout=timeout,
-                          env=child_env(**(env or {})), stdin=subprocess.DEVNULL)
+    return subprocess.run([*console_script("larql"), *args], capture_output=True, text=True, timeout=timeout,
+                          env=server_env(**(env or {})), stdin=subprocess.DEVNULL)
 
 
 PY = sys.executable
@@ -162,10 +96,11 @@ class StubEmbed:
         import threading
         from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+        from larql_edge.format.vindex import Vindex
         from larql_edge.model.forward import LocalEmbed, LocalHead
         from larql_edge.model.spec import ModelSpec
+        from larql_edge.errors import WireError
         from larql_edge.wire import embed as ew
-        from larql_edge.format.vindex import Vindex
 
         vx = Vindex.open(vindex)
         spec = ModelSpec.from_index(vx.index)
@@ -218,7 +153,7 @@ class StubEmbed:
                     if self.path == "/v1/logits":
                         h = ew.decode_logits_request(body, spec.hidden_size)
                         return self._send(200, ew.encode_logits_response(head.logits(h[None])[0]))
-                except ValueError as e:
+                except (ValueError, WireError) as e:
                     return self._error(400, str(e))
                 return self._error(404, "no route")
 
@@ -235,35 +170,20 @@ class StubEmbed:
         self.server.server_close()
 
 
-def embed_can_join() -> bool:
-    """Whether larql-embed has the membership flags yet (until then tests register it statically)."""
-    r = subprocess.run(["larql-embed", "--help"], capture_output=True, text=True, timeout=60, env=child_env())
-    return "--join" in r.stdout
-
-
 def start_grid(procs: Procs, vindex: Path, ranges: list[str], *, replicas: int = 1, embed_vindex: Path | None = None,
                router_port: int | None = None, timeout: float = 120.0) -> dict:
     """Embed server + router + shards (each range ``replicas`` times), all joined; waits for full coverage."""
-    router = procs.router(port=router_port) if embed_can_join() else None
-    router_args: list[str] = []
-    embed_args = ["--host", "127.0.0.1", "--blas-threads", "1", "--hot-cache", "64"]
-    if router is None:  # register the embed server statically on the router instead
-        embed = procs.start("embed", "larql-embed", str(embed_vindex or vindex), *embed_args)
-        router_args = ["--embed", embed.url]
-        router = procs.router(*router_args, port=router_port)
-    else:
-        router.wait_ready(30)
-        embed = procs.start("embed", "larql-embed", str(embed_vindex or vindex), *embed_args, "--join", router.url)
+    router = procs.router(port=router_port)
     router.wait_ready(30)
-    shards = {}
-    for rng in ranges:
-        shards[rng] = [procs.shard(vindex, rng, router, f"ffn-{rng}-{i}") for i in range(replicas)]
+    embed = procs.start("embed", "larql-embed", str(embed_vindex or vindex), "--blas-threads", "1", "--hot-cache", "64",
+                        "--join", router.url)
+    shards = {rng: [procs.shard(vindex, rng, router, f"ffn-{rng}-{i}") for i in range(replicas)] for rng in ranges}
     for group in shards.values():
         for s in group:
             s.wait_ready(timeout)
     embed.wait_ready(timeout)
     wait_grid(router.url, embed=1, timeout=timeout)
-    return {"router": router, "embed": embed, "shards": shards, "router_args": router_args}
+    return {"router": router, "embed": embed, "shards": shards}
 
 
 def remote_args(**kw):
@@ -272,3 +192,45 @@ def remote_args(**kw):
     base = dict(embed=None, ffn=None, ffn_f16=False, timeout=20.0, retries=4)
     base.update(kw)
     return argparse.Namespace(**base)
+
+
+class _Captured:
+    def __init__(self):
+        self.lines: list[str] = []
+
+    @property
+    def text(self) -> str:
+        return "\n".join(self.lines)
+
+
+class capture_logs:
+    """Everything larql-edge logs (the ``larql.*`` loggers) while the block runs, as text."""
+
+    def __init__(self, level: int = 10):
+        import logging
+
+        self.level = level
+        self.out = _Captured()
+        out = self.out
+
+        class _Handler(logging.Handler):
+            def emit(self, record):
+                out.lines.append(f"{record.levelname} {record.name}: {record.getMessage()}")
+
+        self.handler = _Handler(level)
+
+    def __enter__(self) -> _Captured:
+        import logging
+
+        log = logging.getLogger("larql")
+        self._old = log.level
+        log.setLevel(self.level)
+        log.addHandler(self.handler)
+        return self.out
+
+    def __exit__(self, *exc) -> None:
+        import logging
+
+        log = logging.getLogger("larql")
+        log.removeHandler(self.handler)
+        log.setLevel(self._old)

@@ -53,9 +53,9 @@ def images(engine):
 @pytest.fixture(scope="session")
 def reference(gemma_f16):
     """The local forward pass on the same f16 vindex the images extract: token ids to compare with."""
-    from larql_edge.roles.client._build import load_tokenizer
-    from larql_edge.model.forward import Transformer
     from larql_edge.format.vindex import Vindex
+    from larql_edge.model.forward import Transformer
+    from larql_edge.roles.client._build import load_tokenizer
 
     vx = Vindex.open(gemma_f16)
     tok = load_tokenizer(vx)

@@ -18,7 +18,7 @@ import httpx
 import numpy as np
 import pytest
 
-from tests._edge import (
+from larql_edge.testing.edge import (
     KINDS,
     NGINX_CONF,
     VARNISH_VCL,
@@ -29,7 +29,8 @@ from tests._edge import (
     running_edge,
     varnish_check,
 )
-from tests._servers import ServerProcess, console_script, free_port, running_server
+from larql_edge.testing.servers import running_server, start_server
+from larql_edge.tools.grid.supervisor import free_port
 
 BINARY = "application/x-larql-ffn"
 CACHE_CONTROL = "public, max-age=31536000, immutable"
@@ -81,6 +82,7 @@ def assert_json_error(r: httpx.Response, statuses: tuple[int, ...]) -> None:
 # -- the shipped files as they are ---------------------------------------------------------------------
 
 
+@pytest.mark.multiprocess
 def test_nginx_t_accepts_shipped_config_unmodified():
     _need("nginx")
     r = nginx_check(NGINX_CONF)
@@ -88,6 +90,7 @@ def test_nginx_t_accepts_shipped_config_unmodified():
     assert "test is successful" in r.stderr
 
 
+@pytest.mark.multiprocess
 def test_varnishd_C_accepts_shipped_vcl_unmodified():
     _need("varnish")
     r = varnish_check(VARNISH_VCL)
@@ -385,15 +388,13 @@ def test_errors_on_row_urls_are_not_cached(edge, origin):
 
 @contextmanager
 def _origin_on(vindex, port: int):
-    srv = ServerProcess(console_script("larql-embed") + [str(vindex), "--blas-threads", "1", "--host", "127.0.0.1",
-                                                         "--port", str(port)], port).start()
+    srv = start_server("larql-embed", [str(vindex), "--blas-threads", "1"], port=port)
     try:
         srv.wait_ready(120)
         yield srv
     finally:
         srv.stop()
-        print(f"--- larql-embed ({vindex.name}) log tail ---\n{srv.logs(3000)}")
-        srv.cleanup()
+        print(f"--- larql-embed ({vindex.name}) log tail ---\n{srv.log()[-3000:]}")
 
 
 @pytest.mark.slow

@@ -13,7 +13,7 @@ import pytest
 
 from larql_edge.model import ops
 from larql_edge.model.forward import Transformer
-from tests._servers import running_server
+from larql_edge.testing.servers import running_server
 from tests.test_embed_server import BIN, embed_preset
 
 pytestmark = pytest.mark.slow
@@ -25,7 +25,7 @@ MODELS = {"gemma": "gemma3-270m", "smol": "smollm2-135m"}
 def server(gemma_f16, smol_f32, tmp_path_factory):
     root = tmp_path_factory.mktemp("real-embed")
     args = [f"gemma={embed_preset(gemma_f16, root / 'gemma')}", f"smol={embed_preset(smol_f32, root / 'smol')}", "--blas-threads", "1"]
-    with running_server("larql-embed", args, module="larql_edge.roles.embed.cli", timeout=600) as srv, httpx.Client(base_url=srv.url, timeout=120) as c:
+    with running_server("larql-embed", args, timeout=600) as srv, httpx.Client(base_url=srv.url, timeout=120) as c:
         yield c
 
 

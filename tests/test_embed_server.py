@@ -1,17 +1,17 @@
-"""The embed server over HTTP, on tiny vindexes reduced to the ``embed`` preset (the fast tier).
+"""The embed server over HTTP, on tiny vindexes sliced to the ``embed`` preset (the fast tier).
 
-The server is the real console script in a subprocess; the expected values come from the vindex
-itself (table x embed_scale) and from `larql_edge.model.forward.LocalHead` (final norm, lm_head, softcap).
+The server runs in-process (real HTTP on loopback from a thread); the expected values come from the
+vindex itself (table x embed_scale) and from `larql_edge.model.forward.LocalHead` (final norm,
+lm_head, softcap). The multi-worker test runs the console script.
 """
 
 from __future__ import annotations
 
 import asyncio
+import fnmatch
 import json
-import os
 import shutil
 import struct
-import subprocess
 import time
 from pathlib import Path
 
@@ -19,27 +19,21 @@ import httpx
 import numpy as np
 import pytest
 
+from larql_edge.format.vindex import Vindex
 from larql_edge.model import ops
 from larql_edge.model.forward import LocalHead
 from larql_edge.model.spec import ModelSpec
-from larql_edge.format.vindex import Vindex
-from tests._servers import console_script, running_server
+from larql_edge.testing.servers import running_server
+from larql_edge.tools.slicer.slice import slice_vindex
+from tests import _inproc as inproc
+from tests._cli import run_cli
 
 BIN = "application/x-larql-ffn"
-# The embed preset, as fixed with the slicer: the server must need nothing else.
-EMBED_PRESET = ("index.json", "embeddings.bin", "tokenizer.json", "weight_manifest.json", "norms.bin")
 REPO = Path(__file__).resolve().parent.parent
 
 
 def embed_preset(src: Path, dst: Path) -> Path:
-    """Copy the embed preset's files out of a full vindex (the slicer's `embed` preset, by hand)."""
-    dst.mkdir(parents=True, exist_ok=True)
-    names = list(EMBED_PRESET) + (["lm_head.bin"] if (Path(src) / "lm_head.bin").exists() else [])
-    for n in names:
-        try:
-            os.link(Path(src) / n, dst / n)
-        except OSError:
-            shutil.copy2(Path(src) / n, dst / n)
+    slice_vindex(src, dst, preset="embed", log=lambda m: None)
     return dst
 
 
@@ -59,12 +53,9 @@ def presets(tiny_models, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def srv(presets):
-    args = [
-        f"gemma={presets['gemma']}", f"llama={presets['llama']}",
-        "--blas-threads", "1", "--max-tokens", "16", "--max-body", "4096", "--max-top-k", "20",
-        "--batch-wait-ms", "20", "--hot-cache", "8", "--lm-head-cache", str(presets["root"] / "lm-head"),
-    ]  # fmt: skip
-    with running_server("larql-embed", args, module="larql_edge.roles.embed.cli", timeout=120) as s:
+    with inproc.embed({"gemma": presets["gemma"], "llama": presets["llama"]}, max_tokens=16, max_body=4096,
+                      max_top_k=20, batch_wait_ms=20, hot_cache=8, lm_head_cache=presets["root"] / "lm-head") as s:
+        inproc.wait_ready(s)
         s.client = httpx.Client(base_url=s.url, timeout=30)
         yield s
         s.client.close()
@@ -96,11 +87,18 @@ def _err(r: httpx.Response, status: int) -> str:
 
 
 def test_serves_from_the_embed_preset_alone(presets, srv):
-    assert sorted(p.name for p in presets["gemma"].iterdir()) == sorted(EMBED_PRESET)
-    assert sorted(p.name for p in presets["llama"].iterdir()) == sorted(EMBED_PRESET + ("lm_head.bin",))
+    from larql_edge.format.presets import PARTS, PRESETS
+    from larql_edge.roles.embed.banner import banner
+
+    allowed = [pat for part in PRESETS["embed"] for pat in PARTS[part]] + ["index.json"]
+    for mid in ("gemma", "llama"):  # the preset folders hold nothing the slicer's embed preset does not
+        names = [p.name for p in presets[mid].iterdir()]
+        assert all(any(fnmatch.fnmatch(n, pat) for pat in allowed) for n in names), names
+        assert "lm_head.bin" in names  # untied: the real lm_head; tied: the link to embeddings.bin
     r = srv.client.get("/v1/ready").json()
     assert r["status"] == "ready" and r["models"] == ["gemma", "llama"]
-    assert "Ready." in srv.logs() and "Mode:       embed-service" in srv.logs()
+    text = banner(srv.app.ctx.cfg, list(srv.app.ctx.registry.models.values()))
+    assert "Ready." in text and "Mode:       embed-service" in text
 
 
 def test_refuses_a_folder_missing_preset_files(presets, tmp_path):
@@ -108,7 +106,9 @@ def test_refuses_a_folder_missing_preset_files(presets, tmp_path):
     shutil.copytree(presets["gemma"], broken)
     (broken / "norms.bin").unlink()
     (broken / "tokenizer.json").unlink()
-    r = subprocess.run(console_script("larql-embed", "larql_edge.roles.embed.cli") + [str(broken), "--port", "1"], capture_output=True, text=True, timeout=60)
+    from larql_edge.roles.embed.cli import main
+
+    r = run_cli(main, str(broken), "--port", "1")
     assert r.returncode == 2
     assert "tokenizer.json" in r.stderr and "norm" in r.stderr
 
@@ -347,18 +347,14 @@ def test_openapi_is_served_committed_and_complete(srv):
 
 
 def test_app_routes_match_the_openapi_paths(presets):
+
     from larql_edge.roles.embed.app import create_app
     from larql_edge.roles.embed.config import EmbedConfig, ModelSource
     from larql_edge.roles.embed.openapi import openapi_spec
-    from sanic import Sanic
 
-    Sanic.test_mode = True
-    try:
-        app = create_app(EmbedConfig(models=(ModelSource("gemma", str(presets["gemma"])),)))
-        app.router.finalize()
-        routes = {"/" + r.path for r in app.router.routes}
-    finally:
-        Sanic._app_registry.pop("larql-embed", None)
+    app = create_app(EmbedConfig(models=(ModelSource("gemma", str(presets["gemma"])),)))
+    app.router.finalize()
+    routes = {"/" + r.path for r in app.router.routes}
     normalise = lambda p: p.replace(":str", "")  # noqa: E731
     documented = {p.replace("{", "<").replace("}", ">") for p in openapi_spec()["paths"]}
     assert {normalise(r) for r in routes} == documented
@@ -386,7 +382,7 @@ BAD = [
     ("POST", "/v1/embed", {"content": b'{"token_ids": [1,', "headers": J}, 400),
     ("POST", "/v1/embed", {"content": b"[1, 2]", "headers": J}, 400),
     ("POST", "/v1/embed", {"content": b"token_ids=1", "headers": {"content-type": "text/plain"}}, 415),
-    ("POST", "/v1/embed", {"content": b"{}"}, 415),
+    ("POST", "/v1/embed", {"content": b"{}"}, 400),  # no Content-Type: binary (RFC 9110 §8.3), and malformed
     ("POST", "/v1/embed", {"content": struct.pack("<II", 2, 1), "headers": B}, 400),
     ("POST", "/v1/embed", {"content": struct.pack("<II", 1, 1) + b"\x00", "headers": B}, 400),
     ("POST", "/v1/embed", {"content": b"\x01\x00", "headers": B}, 400),
@@ -468,10 +464,11 @@ def test_metrics_count_what_was_served(srv):
     assert d("larql_embed_errors_total", route="unmatched") == 1
 
 
+@pytest.mark.multiprocess
 def test_metrics_add_up_across_workers(presets):
     """Two workers answer from one port; /metrics on either reports the requests of both."""
     args = [f"llama={presets['llama']}", "--workers", "2", "--blas-threads", "1", "--lm-head-cache", ""]
-    with running_server("larql-embed", args, module="larql_edge.roles.embed.cli", timeout=120) as s, httpx.Client(base_url=s.url) as c:
+    with running_server("larql-embed", args, timeout=120) as s, httpx.Client(base_url=s.url) as c:
         pids = set()
         for _ in range(200):  # new connections spread over the workers: wait until both are ready
             with httpx.Client(base_url=s.url) as one:

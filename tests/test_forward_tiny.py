@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from larql_edge.model.forward import Transformer
 from larql_edge.format.vindex import Vindex
+from larql_edge.model.forward import Transformer
 from tests.tinymodel import reference_logits
 
 IDS = [2, 4, 5, 6, 7, 8, 9, 10, 4]  # longer than the tiny Gemma's sliding window (4)

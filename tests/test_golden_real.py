@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
-from larql_edge.model.forward import Transformer, top_k
 from larql_edge.format.vindex import Vindex
+from larql_edge.model.forward import Transformer, top_k
 
 pytestmark = pytest.mark.slow
 

@@ -1,5 +1,6 @@
-"""The attention-only client (`larql predict|generate --embed URL --ffn URL`) against real processes on
-loopback, tiny models: exact against the local forward, every way of naming the tiers, and failover."""
+"""The attention-only client (`larql predict|generate --embed URL --ffn URL`) against in-process servers
+on loopback, tiny models: exact against the local forward, every way of naming the tiers, and failover
+(the one test that kills a shard process is multi-process)."""
 
 from __future__ import annotations
 
@@ -9,11 +10,14 @@ import shutil
 import numpy as np
 import pytest
 
-from larql_edge.roles.client._build import build_remote
-from larql_edge.roles.client.remote import RemoteError, parse_targets
-from larql_edge.model.forward import Transformer
+from larql_edge.errors import RemoteError
 from larql_edge.format.vindex import Vindex
-from tests._grid import Procs, StubEmbed, larql, remote_args, start_grid, wait_grid
+from larql_edge.model.forward import Transformer
+from larql_edge.roles.client._build import build_remote
+from larql_edge.roles.client.remote import parse_targets
+from tests import _inproc as inproc
+from tests._cli import larql
+from tests._grid import Procs, StubEmbed, remote_args, wait_grid
 
 IDS = [2, 4, 5, 6, 7, 8, 9, 10, 4]
 PROMPT = "the capital of france is"
@@ -22,8 +26,7 @@ PROMPT = "the capital of france is"
 @pytest.fixture(scope="module", params=["gemma3", "llama"])
 def family_grid(request, tiny_models):
     fam = request.param
-    with Procs() as procs:
-        g = start_grid(procs, tiny_models[fam], ["0-0", "1-1"])
+    with inproc.grid(tiny_models[fam], ["0-0", "1-1"]) as g:
         g["vindex"] = tiny_models[fam]
         g["local"] = Transformer.local(tiny_models[fam])
         yield g
@@ -108,15 +111,14 @@ def test_client_loads_only_attention_and_norms(tiny_models, tmp_path):
     shutil.copytree(src, dst)
     for name in ("embeddings.bin", "gate_vectors.bin", "up_weights.bin", "down_weights.bin"):
         (dst / name).unlink()
-    with StubEmbed(src) as stub, Procs() as procs:
-        shard = procs.shard(src, "0-1", None)
-        shard.wait_ready(60)
+    with StubEmbed(src) as stub, inproc.shard(src, "0-1") as shard:
         remote = build_remote(Vindex.open(dst), remote_args(ffn=shard.url, embed=stub.url))
         local = Transformer.local(src)
         np.testing.assert_allclose(remote.next_logits(IDS), local.next_logits(IDS), atol=1e-5, rtol=0)
         assert "POST /v1/embed" in stub.requests and "POST /v1/logits" in stub.requests
 
 
+@pytest.mark.multiprocess
 def test_client_fails_over_between_direct_replicas(tiny_models):
     """--ffn URL1,URL2 (replicas): kill the one in use mid-generation; the output is unchanged."""
     v = tiny_models["gemma3"]
@@ -145,11 +147,7 @@ def test_parse_targets():
 
 
 def test_router_without_embed_gives_a_clear_error(tiny_models):
-    with Procs() as procs:
-        router = procs.router()
-        router.wait_ready(30)
-        shard = procs.shard(tiny_models["gemma3"], "0-1", router)
-        shard.wait_ready(60)
+    with inproc.router() as router, inproc.shard(tiny_models["gemma3"], "0-1", join=router.url):
         wait_grid(router.url)
         r = larql("predict", "--vindex", str(tiny_models["gemma3"]), "--ffn", router.url, "--prompt", PROMPT,
                   "--retries", "1")

@@ -11,8 +11,10 @@ import httpx
 import pytest
 
 from larql_edge.config import Flags
-from larql_edge.service.membership import Membership, add_membership_flags, default_public_url, membership_settings
-from tests._grid import GRID_KEY, Procs, wait_grid
+from larql_edge.errors import ProtocolError
+from larql_edge.service.membership import GridSettings, RouterLink, add_membership_flags, default_public_url, membership_settings
+from tests import _inproc as inproc
+from tests._grid import GRID_KEY, capture_logs, wait_grid
 
 
 def parse(argv, env=None, monkeypatch=None):
@@ -27,17 +29,57 @@ def test_flags_and_settings(monkeypatch):
     assert membership_settings(args, "0.0.0.0", 8080) is None
     _, args = parse(["--join", "http://r:9090/", "--grid-key", "k"])
     s = membership_settings(args, "0.0.0.0", 8080)
-    assert s == {"router_url": "http://r:9090", "grid_key": "k", "public_url": "http://127.0.0.1:8080"}
+    assert s == GridSettings(routers=("http://r:9090",), grid_key="k", public_url="http://127.0.0.1:8080")
+    assert "k" not in repr(s).replace("key", "")
     _, args = parse(["--join", "http://r:9090"])
-    with pytest.raises(ValueError, match="--grid-key"):
+    with pytest.raises(ProtocolError, match="--grid-key"):
         membership_settings(args, "h", 1)
     _, args = parse(["--join", "nope", "--grid-key", "k"])
-    with pytest.raises(ValueError):
+    with pytest.raises(ProtocolError):
         membership_settings(args, "h", 1)
+    _, args = parse(["--join", "http://a:1, http://b:2/", "--grid-key", "k"])
+    assert membership_settings(args, "h", 1).routers == ("http://a:1", "http://b:2")
     monkeypatch.setenv("LARQL_GRID_KEY", "from-env-secret")
     p, args = parse(["--join", "http://r:1", "--public-url", "http://me:2"])
-    assert membership_settings(args, "h", 1)["grid_key"] == "from-env-secret"
+    assert membership_settings(args, "h", 1).grid_key == "from-env-secret"
     assert "from-env-secret" not in p.format_help() and "LARQL_GRID_KEY" in p.format_help()
+
+
+def test_grid_key_from_a_file(tmp_path, monkeypatch):
+    """Secrets as files (Swarm and Kubernetes mount them): the flag and the env twin both work."""
+    key = tmp_path / "grid_key"
+    key.write_text("file-secret\n")
+    _, args = parse(["--join", "http://r:1", "--grid-key-file", str(key)])
+    assert membership_settings(args, "h", 1).grid_key == "file-secret"
+    monkeypatch.setenv("LARQL_GRID_KEY_FILE", str(key))
+    p, args = parse(["--join", "http://r:1"])
+    assert membership_settings(args, "h", 1).grid_key == "file-secret"
+    assert "file-secret" not in p.format_help()
+    monkeypatch.setenv("LARQL_GRID_KEY_FILE", str(tmp_path / "missing"))
+    with pytest.raises(SystemExit):
+        parse(["--join", "http://r:1"])
+
+
+def test_router_names_expand_to_every_address():
+    """A name resolving to several addresses (a headless Service, a Swarm dnsrr service) is each of them."""
+    import socket
+
+    from larql_edge.service import membership as mb
+
+    real = socket.getaddrinfo
+
+    def fake(host, port, *a, **k):
+        if host == "routers.example":
+            return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (ip, port)) for ip in ("10.0.0.2", "10.0.0.1")]
+        return real(host, port, *a, **k)
+
+    socket.getaddrinfo = fake
+    try:
+        assert mb.expand_router_urls(("http://routers.example:9090", "http://127.0.0.1:1")) == [
+            "http://10.0.0.1:9090", "http://10.0.0.2:9090", "http://127.0.0.1:1"]
+        assert mb.expand_router_urls(("http://no-such-host.invalid:1",)) == ["http://no-such-host.invalid:1"]
+    finally:
+        socket.getaddrinfo = real
 
 
 def test_default_public_url():
@@ -53,7 +95,7 @@ def test_member_joins_heartbeats_rejoins_and_leaves():
                         "vindex_hash": "abc", "inflight": 0, "layer_latency_ms": {"0": 1.25}}
 
     async def scenario(router_url):
-        m = Membership(router_url, GRID_KEY, "http://127.0.0.1:9", "ffn", describe)
+        m = RouterLink(router_url, GRID_KEY, "http://127.0.0.1:9", "ffn", describe)
         task = asyncio.create_task(m.run())
         auth = {"authorization": f"Bearer {GRID_KEY}"}
         async with httpx.AsyncClient() as c:
@@ -81,34 +123,30 @@ def test_member_joins_heartbeats_rejoins_and_leaves():
             await asyncio.wait_for(task, 5)
             assert await members() == []  # it left on stop
 
-    with Procs() as procs:
-        router = procs.router()
-        router.wait_ready(30)
+    with inproc.router() as router:
         asyncio.run(scenario(router.url))
 
 
 def test_wrong_key_keeps_trying_quietly():
     async def scenario(router_url):
-        m = Membership(router_url, "wrong-key", "http://127.0.0.1:9", "embed", lambda: {"model": "m"})
+        m = RouterLink(router_url, "wrong-key", "http://127.0.0.1:9", "embed", lambda: {"model": "m"})
         task = asyncio.create_task(m.run())
         await asyncio.sleep(1.0)
         assert m.member_id is None and m.joins == 0 and not task.done()
         m.stop()
         await asyncio.wait_for(task, 5)
 
-    with Procs() as procs:
-        router = procs.router()
-        router.wait_ready(30)
+    with inproc.router() as router, capture_logs() as logs:
         asyncio.run(scenario(router.url))
         wait_grid(router.url, complete=False, members=0, timeout=5)
-        assert "wrong-key" not in router.log() and GRID_KEY not in router.log()
+        assert "refused" in logs.text and "wrong-key" not in logs.text and GRID_KEY not in logs.text
 
 
 def test_join_waits_until_ready():
     state = {"ready": False}
 
     async def scenario(router_url):
-        m = Membership(router_url, GRID_KEY, "http://127.0.0.1:9", "embed", lambda: {"model": "m"},
+        m = RouterLink(router_url, GRID_KEY, "http://127.0.0.1:9", "embed", lambda: {"model": "m"},
                        ready_fn=lambda: state["ready"])
         task = asyncio.create_task(m.run())
         await asyncio.sleep(0.8)
@@ -121,7 +159,27 @@ def test_join_waits_until_ready():
         m.stop()
         await asyncio.wait_for(task, 5)
 
-    with Procs() as procs:
-        router = procs.router()
-        router.wait_ready(30)
+    with inproc.router() as router:
         asyncio.run(scenario(router.url))
+
+
+def test_a_member_joins_every_router_and_rejoins_one_that_restarts(tiny_models):
+    """No single point of failure: members join all routers, so their views agree, and a router that
+    restarts (same address, empty registry) relearns the members within a heartbeat."""
+    from larql_edge.testing.servers import ServerThread
+
+    with inproc.router() as r1, inproc.router() as r2:
+        with inproc.shard(tiny_models["gemma3"], "0-1", join=[r1.url, r2.url]):
+            v1 = wait_grid(r1.url, members=1)
+            v2 = wait_grid(r2.url, members=1)
+            assert [m["url"] for m in v1["members"]] == [m["url"] for m in v2["members"]]
+            assert v1["coverage"] == v2["coverage"] and v1["complete"] and v2["complete"]
+            port = r2.port
+            r2.stop()
+            assert httpx.get(r1.url + "/v1/grid").json()["complete"]  # the other router serves on
+            again = inproc.router()
+            restarted = ServerThread(again.app, port=port).start()
+            try:
+                assert wait_grid(restarted.url, members=1, timeout=10)["complete"]
+            finally:
+                restarted.stop()

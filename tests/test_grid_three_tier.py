@@ -7,10 +7,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from larql_edge.roles.client._build import build_remote
 from larql_edge.format.layers import split_even
-from larql_edge.model.forward import Transformer, top_k
 from larql_edge.format.vindex import Vindex
+from larql_edge.model.forward import Transformer, top_k
+from larql_edge.roles.client._build import build_remote
 from tests._grid import Procs, remote_args, start_grid
 
 pytestmark = pytest.mark.slow

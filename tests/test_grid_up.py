@@ -15,7 +15,8 @@ import time
 
 import pytest
 
-from tests._grid import child_env, free_port, larql
+from tests._cli import run_cli
+from tests._grid import free_port, larql, server_env
 
 
 def _lines(proc: subprocess.Popen) -> queue.Queue:
@@ -59,12 +60,13 @@ def _gone(pid: int) -> bool:
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.multiprocess
 def test_grid_up_serves_and_ctrl_c_stops_everything(tiny_models, tmp_path):
     ports = [free_port() for _ in range(3)]
     argv = ["larql-grid", "up", "--vindex", str(tiny_models["llama"]), "--shards", "2", "--replicas", "2",
             "--router-port", str(ports[0]), "--embed-port", str(ports[1]), "--ffn-port", str(ports[2]),
             "--log-dir", str(tmp_path / "logs")]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env(),
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=server_env(),
                             start_new_session=True, stdin=subprocess.DEVNULL)
     try:
         q = _lines(proc)
@@ -100,6 +102,7 @@ def test_grid_up_serves_and_ctrl_c_stops_everything(tiny_models, tmp_path):
 
 
 def test_grid_up_rejects_bad_counts(tiny_models):
-    r = subprocess.run(["larql-grid", "up", "--vindex", str(tiny_models["llama"]), "--shards", "5"],
-                       capture_output=True, text=True, timeout=60, env=child_env(), stdin=subprocess.DEVNULL)
+    from larql_edge.tools.grid.cli import main
+
+    r = run_cli(main, "up", "--vindex", str(tiny_models["llama"]), "--shards", "5")
     assert r.returncode == 1 and "cannot split 2 layers into 5 shards" in r.stderr

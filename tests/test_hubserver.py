@@ -27,7 +27,7 @@ from huggingface_hub.errors import (
 )
 from huggingface_hub.hf_api import RepoFile, RepoFolder
 
-from tests.hubserver import HubServer, git_blob_sha1, local_only_client  # noqa: F401
+from larql_edge.testing.hubserver import HubServer, git_blob_sha1, local_only_client  # noqa: F401
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests._servers import running_server
+from larql_edge.testing.servers import running_server
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_locust_embed_users_against_embed_server(tiny_models, tmp_path):
     with running_server("larql-embed", [str(tiny_models["gemma3"]), "--blas-threads", "1",
-                                         "--lm-head-cache", str(tmp_path / "lmc")], module="larql_edge.roles.embed.cli") as srv:
+                                         "--lm-head-cache", str(tmp_path / "lmc")]) as srv:
         prefix = tmp_path / "locust"
         r = subprocess.run(
             [sys.executable, "-m", "locust", "-f", str(ROOT / "loadtests" / "locustfile.py"), "--headless",

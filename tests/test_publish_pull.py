@@ -5,17 +5,16 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from larql_edge.tools.slicer.errors import HubError, SliceError, VindexError
+from larql_edge.errors import HubError, SliceError, VindexError
+from larql_edge.format.presets import DEFAULT_SLICES
+from larql_edge.format.vindex import Vindex, sha256_file, write_index
 from larql_edge.tools.slicer.publish import default_family, default_model_title, publish, short_model_name
 from larql_edge.tools.slicer.pull import pull, split_sibling_suffix
-from larql_edge.tools.slicer.slice import DEFAULT_SLICES
-from larql_edge.format.vindex import Vindex, sha256_file, write_index
+from tests._cli import slicer
 
 REPO = "test-user/tiny-vindex"
 WRITES = ("POST", "PUT", "DELETE", "PATCH")
@@ -82,7 +81,7 @@ def test_changed_file_is_the_only_one_uploaded(hub, vindex):
     (vindex / "up_weights.bin.new").write_bytes(bytes(data))
     os.replace(vindex / "up_weights.bin.new", vindex / "up_weights.bin")
     ix = Vindex.open(vindex).index
-    ix["checksums"]["up_weights.bin"] = sha256_file(vindex / "up_weights.bin")
+    ix = ix.replace(checksums={**ix.checksums, "up_weights.bin": sha256_file(vindex / "up_weights.bin")})
     write_index(vindex, ix)
     hub.clear_requests()
     rep = _publish(hub, vindex, slices=["server", "attn"], collections=[])
@@ -91,8 +90,8 @@ def test_changed_file_is_the_only_one_uploaded(hub, vindex):
     assert by_repo == {REPO: {"up_weights.bin"}, f"{REPO}-server": {"up_weights.bin"}, f"{REPO}-attn": set()}
     # The new file went up once per repo that holds it (full and server), nothing else did.
     assert [u.body_size for u in hub.lfs_uploads()] == [len(data), len(data)]
-    assert hub.has_lfs_object(REPO, ix["checksums"]["up_weights.bin"])
-    assert hub.has_lfs_object(f"{REPO}-server", ix["checksums"]["up_weights.bin"])
+    assert hub.has_lfs_object(REPO, ix.checksums["up_weights.bin"])
+    assert hub.has_lfs_object(f"{REPO}-server", ix.checksums["up_weights.bin"])
 
 
 def test_dry_run_changes_nothing(hub, vindex):
@@ -137,13 +136,13 @@ def test_pulled_embed_preset_is_served_by_larql_embed(hub, vindex, tmp_path):
     import httpx
     import numpy as np
 
-    from tests._servers import running_server
+    from tests import _inproc as inproc
 
     _publish(hub, vindex, slices=["embed"], collections=[])
     got = pull(REPO, preset="embed", output=tmp_path / "embed", endpoint=hub.url, token=hub.token, log=quiet)
     folder = got.results[0].path
-    with running_server("larql-embed", [str(folder), "--blas-threads", "1", "--lm-head-cache", str(tmp_path / "lmc")],
-                        module="larql_edge.roles.embed.cli") as srv:
+    with inproc.embed({"m": folder}, lm_head_cache=tmp_path / "lmc") as srv:
+        inproc.wait_ready(srv)
         row = httpx.get(f"{srv.url}/v1/embed/5", headers={"Accept": "application/json"}, timeout=30).json()
         want = Vindex.open(vindex).embeddings()[5].astype(np.float32) * np.float32(Vindex.open(vindex).embed_scale)
         np.testing.assert_allclose(row["embedding"], want, rtol=0, atol=1e-6)
@@ -205,23 +204,28 @@ def test_server_errors_are_clear(hub, vindex, tmp_path, status, match):
     assert not (tmp_path / "o").exists()
 
 
-def test_cli_never_prints_the_token(hub, vindex, tmp_path, hf_env):
-    env = dict(os.environ, HF_TOKEN=hub.token, HF_ENDPOINT=hub.url, HF_HUB_DISABLE_XET="1",
-               HF_HUB_DISABLE_TELEMETRY="1", HF_HOME=str(hf_env))
-    r = subprocess.run([sys.executable, "-m", "larql_edge.tools.slicer.cli", "publish", str(vindex), "--repo", REPO, "--slices", "embed"],
-                       capture_output=True, text=True, env=env, timeout=300)
+def test_cli_never_prints_the_token(hub, vindex, tmp_path, hf_env, monkeypatch):
+    for k, v in {"HF_TOKEN": hub.token, "HF_ENDPOINT": hub.url}.items():
+        monkeypatch.setenv(k, v)
+    r = slicer("publish", str(vindex), "--repo", REPO, "--slices", "embed")
     assert r.returncode == 0, r.stderr
     assert hub.token not in r.stdout + r.stderr
     assert "collection model" in r.stdout and f"{REPO}-embed" in r.stdout
-    r = subprocess.run([sys.executable, "-m", "larql_edge.tools.slicer.cli", "pull", REPO, "--preset", "embed", "-o", str(tmp_path / "e")],
-                       capture_output=True, text=True, env=env, timeout=300)
+    r = slicer("pull", REPO, "--preset", "embed", "-o", str(tmp_path / "e"))
     assert r.returncode == 0, r.stderr
     assert "Also available" in r.stdout and hub.token not in r.stdout + r.stderr
-    bad = dict(env, HF_TOKEN="wrong-token")
-    r = subprocess.run([sys.executable, "-m", "larql_edge.tools.slicer.cli", "publish", str(vindex), "--repo", REPO, "--slices", "none"],
-                       capture_output=True, text=True, env=bad, timeout=300)
+    monkeypatch.setenv("HF_TOKEN", "wrong-token")
+    r = slicer("publish", str(vindex), "--repo", REPO, "--slices", "none")
     assert r.returncode == 1 and "not authorized" in r.stderr and "Traceback" not in r.stderr
     assert "wrong-token" not in r.stdout + r.stderr
+    # The token as a file (a mounted secret), flag and env twin alike.
+    token = tmp_path / "token"
+    token.write_text(hub.token + "\n")
+    r = slicer("publish", str(vindex), "--repo", REPO, "--slices", "none", "--hf-token-file", str(token))
+    assert r.returncode == 0, r.stderr
+    monkeypatch.setenv("LARQL_HF_TOKEN_FILE", str(token))
+    r = slicer("publish", str(vindex), "--repo", REPO, "--slices", "none")
+    assert r.returncode == 0 and hub.token not in r.stdout + r.stderr
 
 
 @pytest.mark.slow

@@ -32,7 +32,7 @@ from larql_edge.format.q4k import (
     dump_json,
     larql_checksums,
 )
-from larql_edge.tools.slicer.errors import VindexError
+from larql_edge.errors import VindexError
 from tests import larql_fixtures as LF
 
 GT = gguf.GGMLQuantizationType

@@ -9,12 +9,14 @@ import httpx
 import numpy as np
 import pytest
 
-from larql_edge.roles.client._build import build_remote
-from larql_edge.roles.client.remote import RemoteError
-from larql_edge.model.forward import Transformer
-from larql_edge.wire import ffn as w
+from larql_edge.errors import RemoteError
 from larql_edge.format.vindex import Vindex
+from larql_edge.model.forward import Transformer
+from larql_edge.roles.client._build import build_remote
+from larql_edge.wire import ffn as w
 from tests._grid import Procs, free_port, remote_args, start_grid, wait_grid
+
+pytestmark = pytest.mark.multiprocess  # kills, freezes and restarts real processes
 
 IDS = [2, 4, 5, 6]
 
@@ -39,7 +41,7 @@ def test_killing_one_of_two_replicas_mid_generation(tiny_models):
                 victim = _busiest(g["router"].url, g["shards"]["0-0"])
                 victim.kill()
         assert out == want
-        assert not victim.alive()
+        assert not victim.running()
         # The router notices: the dead replica is cooled down at once and evicted when its heartbeats stop.
         view = wait_grid(g["router"].url, members=4, timeout=20)
         assert victim.url not in [m["url"] for m in view["members"]]
@@ -84,6 +86,6 @@ def test_router_restart_members_rejoin_without_restarting(tiny_models):
         view = wait_grid(router2.url, embed=1, timeout=30)
         assert view["complete"]
         assert [s.popen.pid for grp in g["shards"].values() for s in grp] == member_pids
-        assert all(s.alive() for grp in g["shards"].values() for s in grp)
+        assert all(s.running() for grp in g["shards"].values() for s in grp)
         # The same client (same URL, same keep-alive pool) carries on.
         np.testing.assert_array_equal(remote.next_logits(IDS), want)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from larql_edge.format.layers import LayerRange, gaps, split_even
-from larql_edge.wire.grid import Announce, Load, ProtocolError
 from larql_edge.roles.router.registry import Conflict, Registry
+from larql_edge.wire.grid import Announce, Load, ProtocolError
 
 
 class Clock:

@@ -1,4 +1,4 @@
-"""larql-router with real shards on loopback (tiny model): routing, split/merge, Accept, the embed
+"""larql-router with real shards, in-process on loopback (tiny model): routing, split/merge, Accept, the embed
 proxy, membership auth and every bad input to join/heartbeat."""
 
 from __future__ import annotations
@@ -9,12 +9,14 @@ import httpx
 import numpy as np
 import pytest
 
+from larql_edge.format.vindex import Vindex
 from larql_edge.model.forward import LocalFfn
 from larql_edge.model.spec import ModelSpec
 from larql_edge.wire import embed as ew
 from larql_edge.wire import ffn as w
-from larql_edge.format.vindex import Vindex
-from tests._grid import GRID_KEY, Procs, StubEmbed, wait_grid
+from tests import _inproc as inproc
+from tests._cli import run_cli
+from tests._grid import GRID_KEY, StubEmbed, capture_logs, wait_grid
 
 H = 32
 X = np.random.default_rng(5).standard_normal((3, H)).astype(np.float32)
@@ -25,15 +27,11 @@ AUTH = {"authorization": f"Bearer {GRID_KEY}"}
 @pytest.fixture(scope="module")
 def grid(tiny_models):
     """A router with shards for layer 0 and layer 1 (joined), and a stub embed server (static)."""
-    with StubEmbed(tiny_models["gemma3"]) as stub, Procs() as procs:
-        router = procs.router("--embed", stub.url)
-        router.wait_ready(30)
-        a = procs.shard(tiny_models["gemma3"], "0-0", router)
-        b = procs.shard(tiny_models["gemma3"], "1-1", router)
-        a.wait_ready(60)
-        b.wait_ready(60)
+    with StubEmbed(tiny_models["gemma3"]) as stub, inproc.router(static_embed=[stub.url]) as router, \
+            inproc.shard(tiny_models["gemma3"], "0-0", join=router.url) as a, \
+            inproc.shard(tiny_models["gemma3"], "1-1", join=router.url) as b:
         wait_grid(router.url, members=3)
-        yield {"router": router, "a": a, "b": b, "stub": stub, "procs": procs}
+        yield {"router": router, "a": a, "b": b, "stub": stub}
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +62,7 @@ def test_single_layer_routes_to_its_shard(grid, reference):
 
 
 def test_batch_spanning_shards_is_split_and_merged_in_order(grid, reference):
-    layers = [1, 0, 1, 0]
+    layers = [1, 0]
     r = walk(grid["router"].url, w.encode_request(layers, X))
     assert r.status_code == 200 and r.headers["content-type"] == w.CONTENT_TYPE
     results, ms = w.decode_batch_response(r.content, H)
@@ -198,32 +196,26 @@ def test_bad_membership_inputs_get_4xx(grid, path, content, ctype, status):
     assert set(r.json()) == {"error"}
 
 
-def test_wrong_key_member_is_refused_and_no_log_shows_a_key(grid, tiny_models):
-    procs: Procs = grid["procs"]
-    intruder = procs.start("intruder", "larql-ffn", str(tiny_models["gemma3"]), "--layers", "0-1",
-                           "--join", grid["router"].url, env={"LARQL_GRID_KEY": "not-the-key-42"})
-    intruder.wait_ready(60)
+def test_wrong_key_member_is_refused_and_no_log_shows_a_key(grid, tiny_models, monkeypatch):
     import time
 
-    deadline = time.monotonic() + 10
-    while "refused the grid key" not in intruder.log() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert "refused the grid key" in intruder.log()
-    v = httpx.get(grid["router"].url + "/v1/grid").json()
-    assert intruder.url not in [m["url"] for m in v["members"]]
-    intruder.stop()
-    for p in procs.procs:
-        text = p.log()
-        assert GRID_KEY not in text and "not-the-key-42" not in text, p.name
-    helptext = __import__("subprocess").run(["larql-router", "--help"], capture_output=True, text=True,
-                                            env={**__import__("os").environ, "LARQL_GRID_KEY": GRID_KEY}).stdout
+    with capture_logs() as logs, inproc.shard(tiny_models["gemma3"], "0-1", join=grid["router"].url, key="not-the-key-42") as intruder:
+        deadline = time.monotonic() + 10
+        while "refused the grid key" not in logs.text and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert "refused the grid key" in logs.text
+        v = httpx.get(grid["router"].url + "/v1/grid").json()
+        assert intruder.url not in [m["url"] for m in v["members"]]
+    assert GRID_KEY not in logs.text and "not-the-key-42" not in logs.text
+    from larql_edge.roles.router.cli import main
+
+    monkeypatch.setenv("LARQL_GRID_KEY", GRID_KEY)
+    helptext = run_cli(main, "--help").stdout
     assert GRID_KEY not in helptext and "(set)" in helptext
 
 
 def test_static_router_reports_gaps_and_refuses_uncovered_layers(grid, tiny_models):
-    procs: Procs = grid["procs"]
-    static = procs.router("--shards", f"0-0={grid['a'].url}", name="static-router")
-    static.wait_ready(30)
+    static = inproc.router(static_ffn=[("0-0", grid["a"].url)]).start()
     wait_grid(static.url, complete=False, members=1)
     import time
 
@@ -243,9 +235,7 @@ def test_static_router_reports_gaps_and_refuses_uncovered_layers(grid, tiny_mode
 
 
 def test_router_requires_a_grid_key():
-    import os
-    import subprocess
+    from larql_edge.roles.router.cli import main
 
-    env = {k: v for k, v in os.environ.items() if k != "LARQL_GRID_KEY"}
-    r = subprocess.run(["larql-router"], capture_output=True, text=True, env=env, timeout=30)
+    r = run_cli(main)
     assert r.returncode == 2 and "--grid-key" in r.stderr

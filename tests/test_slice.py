@@ -5,14 +5,14 @@ from __future__ import annotations
 import errno
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
-from larql_edge.tools.slicer.errors import SliceError, VindexError
-from larql_edge.tools.slicer.slice import PRESETS, resolve_parts, slice_vindex
+from larql_edge.errors import SliceError, VindexError
+from larql_edge.format.presets import PRESETS, resolve_parts
 from larql_edge.format.vindex import Vindex
+from larql_edge.tools.slicer.slice import slice_vindex
+from tests._cli import slicer
 
 EXPECTED = {
     "client": {"embeddings.bin", "norms.bin", "attn_weights.bin", "tokenizer.json", "weight_manifest.json"},
@@ -35,19 +35,19 @@ def test_presets_keep_their_files_and_rewrite_index(tiny_models, tmp_path, prese
     files = {f.name for f in dst.iterdir()} - {"index.json"}
     assert files == EXPECTED[preset]
     vx = Vindex.open(dst)
-    assert vx.index["extract_level"] == LEVEL[preset]
-    assert vx.index["has_model_weights"] == bool({"attn_weights.bin", "up_weights.bin"} & files)
+    assert vx.index.extract_level == LEVEL[preset]
+    assert vx.index.has_model_weights == bool({"attn_weights.bin", "up_weights.bin"} & files)
     assert set(vx.checksums) == files
     assert vx.verify() == []
     # Everything else of index.json is kept (unknown keys included).
     src_ix = Vindex.open(src).index
-    for k in ("model", "family", "model_config", "num_layers", "hidden_size", "layers", "source"):
-        assert vx.index[k] == src_ix[k]
+    for k in ("model", "family", "model_config", "num_layers", "hidden_size", "layers", "source", "lm_head_tied"):
+        assert getattr(vx.index, k) == getattr(src_ix, k)
 
 
 def test_all_preset_keeps_level(tiny_models, tmp_path):
     slice_vindex(tiny_models["gemma3"], tmp_path / "all", preset="all", log=lambda m: None)
-    assert Vindex.open(tmp_path / "all").index["extract_level"] == "all"
+    assert Vindex.open(tmp_path / "all").index.extract_level == "all"
 
 
 def test_aliases_and_parts_union():
@@ -99,8 +99,8 @@ def test_refusals(tiny_models, tmp_path):
 
 def test_cli_dry_run_writes_nothing_and_prints_plan(tiny_models, tmp_path):
     dst = tmp_path / "dry"
-    r = subprocess.run([sys.executable, "-m", "larql_edge.tools.slicer.cli", "slice", str(tiny_models["llama"]), "-o", str(dst),
-                        "--preset", "embed", "--dry-run"], capture_output=True, text=True, timeout=60)
+    r = slicer("slice", str(tiny_models["llama"]), "-o", str(dst),
+                        "--preset", "embed", "--dry-run")
     assert r.returncode == 0, r.stderr
     assert not dst.exists()
     assert "would keep" in r.stdout and "lm_head.bin" in r.stdout and "skipped" in r.stdout
@@ -109,13 +109,13 @@ def test_cli_dry_run_writes_nothing_and_prints_plan(tiny_models, tmp_path):
 
 def test_cli_output_and_errors(tiny_models, tmp_path):
     dst = tmp_path / "s"
-    r = subprocess.run([sys.executable, "-m", "larql_edge.tools.slicer.cli", "slice", str(tiny_models["llama"]), "-o", str(dst),
-                        "--preset", "attn"], capture_output=True, text=True, timeout=60)
+    r = slicer("slice", str(tiny_models["llama"]), "-o", str(dst),
+                        "--preset", "attn")
     assert r.returncode == 0 and "linked" in r.stdout and "all -> attention" in r.stdout
-    r = subprocess.run([sys.executable, "-m", "larql_edge.tools.slicer.cli", "slice", str(tiny_models["llama"]), "-o", str(dst),
-                        "--preset", "attn"], capture_output=True, text=True, timeout=60)
+    r = slicer("slice", str(tiny_models["llama"]), "-o", str(dst),
+                        "--preset", "attn")
     assert r.returncode == 1 and "--force" in r.stderr and "Traceback" not in r.stderr
-    r = subprocess.run([sys.executable, "-m", "larql_edge.tools.slicer.cli", "slice", str(tiny_models["llama"]), "-o", str(tmp_path / "z"),
-                        "--parts", "embed,bogus"], capture_output=True, text=True, timeout=60)
+    r = slicer("slice", str(tiny_models["llama"]), "-o", str(tmp_path / "z"),
+                        "--parts", "embed,bogus")
     assert r.returncode == 1 and "unknown part 'bogus'" in r.stderr
     assert json.loads((dst / "index.json").read_text())["extract_level"] == "attention"

@@ -8,8 +8,8 @@ import shutil
 import numpy as np
 import pytest
 
-from larql_edge.tools.slicer.errors import OutputExists, VindexError
-from larql_edge.format.vindex import ATTN, DOWN, LM_HEAD, NORMS, UP, Vindex, VindexWriter, staged_output, write_index
+from larql_edge.errors import OutputExists, VindexError
+from larql_edge.format.vindex import ATTN, DOWN, LM_HEAD, NORMS, UP, Vindex, VindexIndex, VindexWriter, staged_output, write_index
 
 V, H, F, L = 50, 16, 24, 3
 
@@ -33,8 +33,8 @@ def _write(folder, dtype, rng):
     arrays["lm_head.weight"] = rng.standard_normal((V, H)).astype(np.float32)
     w.add(LM_HEAD, "lm_head.weight", arrays["lm_head.weight"])
     (folder / "tokenizer.json").write_text('{"version": "1.0"}')
-    ix = w.finish({"model": "t", "family": "llama", "num_layers": L, "hidden_size": H, "vocab_size": V,
-                   "intermediate_size": F, "future_field": {"kept": True}})
+    ix = w.finish(VindexIndex.from_json({"version": 2, "model": "t", "family": "llama", "num_layers": L, "hidden_size": H,
+                                         "vocab_size": V, "intermediate_size": F, "future_field": {"kept": True}}))
     return arrays, ix
 
 
@@ -60,11 +60,11 @@ def test_every_file_round_trips(tmp_path, dtype, np_dtype):
 def test_unknown_index_keys_are_ignored_and_kept_on_rewrite(tmp_path):
     _write(tmp_path, "f32", np.random.default_rng(1))
     vx = Vindex.open(tmp_path)
-    assert vx.index["future_field"] == {"kept": True}
-    ix = dict(vx.index, extract_level="attention")
-    write_index(tmp_path, ix)
+    assert vx.index.extra["future_field"] == {"kept": True}
+    write_index(tmp_path, vx.index.replace(extract_level="attention"))
     again = Vindex.open(tmp_path).index
-    assert again["future_field"] == {"kept": True} and again["extract_level"] == "attention"
+    assert again.extra["future_field"] == {"kept": True} and again.extract_level == "attention"
+    assert json.loads((tmp_path / "index.json").read_text())["future_field"] == {"kept": True}
 
 
 def test_reader_loads_a_vindex_without_gate_vectors(tmp_path):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 from safetensors.numpy import save_file
-from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 WORDS = (
     "the a capital of france is paris city river big small red blue green one two three and or not "

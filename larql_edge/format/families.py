@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from larql_edge.tools.slicer.errors import UnsupportedArchitecture
+from larql_edge.errors import UnsupportedArchitecture
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,7 @@ from larql_edge.format.quant import (
     quantize_matrix,
     row_bytes,
 )
-from larql_edge.tools.slicer.errors import VindexError
+from larql_edge.errors import VindexError
 
 ATTN_Q4K = "attn_weights_q4k.bin"
 ATTN_Q4K_MANIFEST = "attn_weights_q4k_manifest.json"

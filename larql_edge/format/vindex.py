@@ -1,16 +1,18 @@
-"""The LARQL vindex v2 format: one module owns reading, writing and verifying it.
+"""The LARQL vindex v2 format: one module owns reading, writing and verifying the folder.
 
-A vindex is a folder of role-split weight files plus ``index.json`` (see DESIGN.md §1):
+A vindex is a folder of role-split weight files plus ``index.json`` (DESIGN.md §1):
 
-- ``embeddings.bin``   ``[vocab, hidden]`` f16 or f32 (told apart by size), unscaled
+- ``embeddings.bin``   ``[vocab, hidden]`` f16 or f32, unscaled
 - ``gate_vectors.bin`` per-layer ``[num_features, hidden]`` located by ``index.json.layers``
 - ``attn_weights.bin``, ``norms.bin``, ``up_weights.bin``, ``down_weights.bin``, ``lm_head.bin``:
   raw tensors located by ``weight_manifest.json`` (``[out, in]`` orientation)
 - ``tokenizer.json``   Hugging Face tokenizers format
 
-Readers never copy weight data: arrays are read-only memory maps of the files. Unknown
-``index.json`` keys are kept on rewrite. Writers stream into a temporary folder beside the
-target and rename at the end, so a failed write leaves nothing partial.
+Everything else in larql-edge reads a vindex through `Vindex`: typed metadata (`VindexIndex`),
+tensors by manifest key, gate vectors by layer, rows by index; no raw offsets or ``open()`` of a
+weight file anywhere else. Readers never copy weight data: arrays are read-only memory maps.
+Writers stream into a staging folder beside the target and rename it at the end, so a failed or
+killed write leaves nothing partial (and the next write removes a killed one's staging folder).
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ import hashlib
 import json
 import os
 import shutil
-import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -28,9 +29,17 @@ from typing import Any
 
 import numpy as np
 
-from larql_edge.tools.slicer.errors import ChecksumMismatch, OutputExists, VindexError
+from larql_edge.errors import ChecksumMismatch, OutputExists, VindexError
 
-FORMAT_VERSION = 2
+from .index import DTYPES as DTYPE_NAMES
+from .index import EXTRACT_LEVELS, FORMAT_VERSION, LayerInfo, ModelConfig, VindexIndex, level_rank
+
+__all__ = [
+    "ATTN", "DOWN", "DTYPES", "EMBEDDINGS", "EXTRACT_LEVELS", "FORMAT_VERSION", "GATE", "INDEX", "LM_HEAD",
+    "MANIFEST", "NORMS", "TOKENIZER", "UP", "LayerInfo", "ManifestEntry", "ModelConfig", "Vindex", "VindexIndex",
+    "VindexWriter", "checksum_folder", "level_rank", "sha256_file", "staged_output", "write_index",
+]  # fmt: skip
+
 INDEX = "index.json"
 MANIFEST = "weight_manifest.json"
 EMBEDDINGS = "embeddings.bin"
@@ -41,18 +50,10 @@ UP = "up_weights.bin"
 DOWN = "down_weights.bin"
 LM_HEAD = "lm_head.bin"
 TOKENIZER = "tokenizer.json"
+LM_HEAD_KEY = "lm_head.weight"
 
-EXTRACT_LEVELS = ("browse", "attention", "inference", "all")
-DTYPES = {"f16": np.dtype("<f2"), "f32": np.dtype("<f4")}
-
-REQUIRED_INDEX_FIELDS = ("version", "num_layers", "hidden_size", "vocab_size")
-
-
-def level_rank(level: str) -> int:
-    try:
-        return EXTRACT_LEVELS.index(level)
-    except ValueError:
-        raise VindexError(f"unknown extract_level {level!r} (one of {', '.join(EXTRACT_LEVELS)})") from None
+DTYPES = {name: np.dtype("<f2" if name == "f16" else "<f4") for name in DTYPE_NAMES}
+MANIFEST_KINDS = ("vector", "tensor", "tensor_f16", "tensor_q4k", "packed_bf16")
 
 
 def sha256_file(path: Path, chunk: int = 8 << 20) -> str:
@@ -66,40 +67,38 @@ def sha256_file(path: Path, chunk: int = 8 << 20) -> str:
 @dataclass(frozen=True)
 class ManifestEntry:
     key: str
-    kind: str  # "tensor" | "vector"
+    kind: str  # one of MANIFEST_KINDS
     shape: tuple[int, ...]
     offset: int
     length: int
     file: str
 
+    @classmethod
+    def from_json(cls, r: Any, where: str) -> "ManifestEntry":
+        try:
+            e = cls(key=str(r["key"]), kind=str(r.get("kind", "tensor")), shape=tuple(int(s) for s in r["shape"]),
+                    offset=int(r["offset"]), length=int(r["length"]), file=str(r.get("file") or "model_weights.bin"))
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise VindexError(f"{where}: malformed entry ({type(e).__name__}: {e})") from None
+        if e.kind not in MANIFEST_KINDS:
+            raise VindexError(f"{where}: {e.key}: unknown kind {e.kind!r}")
+        if e.offset < 0 or e.length < 0 or any(s < 0 for s in e.shape) or "/" in e.file or e.file.startswith("."):
+            raise VindexError(f"{where}: {e.key}: bad offset, length, shape or file name")
+        return e
+
     def to_json(self) -> dict[str, Any]:
-        return {
-            "key": self.key,
-            "kind": self.kind,
-            "shape": list(self.shape),
-            "offset": self.offset,
-            "length": self.length,
-            "file": self.file,
-        }
-
-
-def _dtype_for(nbytes: int, count: int, where: str) -> np.dtype:
-    """Storage dtype told apart by size, as LARQL does (a vindex may mix f16 and f32 files)."""
-    if nbytes == count * 4:
-        return DTYPES["f32"]
-    if nbytes == count * 2:
-        return DTYPES["f16"]
-    raise VindexError(f"{where}: {nbytes} bytes is neither f16 nor f32 for {count} values")
+        return {"key": self.key, "kind": self.kind, "shape": list(self.shape), "offset": self.offset,
+                "length": self.length, "file": self.file}
 
 
 class Vindex:
     """A vindex folder opened for reading. Cheap to open: nothing is mapped until asked for."""
 
-    def __init__(self, path: Path, index: dict[str, Any]):
+    def __init__(self, path: Path, index: VindexIndex):
         self.path = path
         self.index = index
         self._manifest: dict[str, ManifestEntry] | None = None
-        self._maps: dict[str, np.memmap] = {}
+        self._maps: dict[str, np.ndarray] = {}
 
     # -- opening -----------------------------------------------------------------------------
     @classmethod
@@ -111,63 +110,64 @@ class Vindex:
         if not ip.is_file():
             raise VindexError(f"{p}: missing {INDEX}")
         try:
-            index = json.loads(ip.read_text())
+            raw = json.loads(ip.read_text())
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
             raise VindexError(f"{ip}: unreadable index.json ({e})") from None
-        if not isinstance(index, dict):
-            raise VindexError(f"{ip}: index.json is not a JSON object")
-        missing = [k for k in REQUIRED_INDEX_FIELDS if k not in index]
-        if missing:
-            raise VindexError(f"{ip}: index.json lacks {', '.join(missing)}")
-        if index.get("version") != FORMAT_VERSION:
-            raise VindexError(f"{ip}: unsupported vindex version {index.get('version')!r} (expected 2)")
-        for k in ("num_layers", "hidden_size", "vocab_size"):
-            if not isinstance(index[k], int) or index[k] <= 0:
-                raise VindexError(f"{ip}: {k} must be a positive integer")
-        return cls(p, index)
+        return cls(p, VindexIndex.from_json(raw, str(ip)))
 
     # -- metadata ------------------------------------------------------------------------------
     @property
     def model(self) -> str:
-        return str(self.index.get("model", self.path.name))
+        return self.index.model or self.path.name
 
     @property
     def family(self) -> str:
-        return str(self.index.get("family", ""))
+        return self.index.family
 
     @property
     def hidden_size(self) -> int:
-        return int(self.index["hidden_size"])
+        return self.index.hidden_size
 
     @property
     def vocab_size(self) -> int:
-        return int(self.index["vocab_size"])
+        return self.index.vocab_size
 
     @property
     def num_layers(self) -> int:
-        return int(self.index["num_layers"])
+        return self.index.num_layers
 
     @property
-    def model_config(self) -> dict[str, Any]:
-        return dict(self.index.get("model_config") or {})
+    def dtype(self) -> str:
+        return self.index.dtype
 
     @property
     def checksums(self) -> dict[str, str]:
-        return dict(self.index.get("checksums") or {})
+        return dict(self.index.checksums)
+
+    @property
+    def embed_scale(self) -> float:
+        return self.index.embed_scale
 
     @property
     def tied(self) -> bool:
-        """Tied when no lm_head file exists: the embeddings then serve as the lm_head."""
+        """Whether the embeddings serve as the lm_head.
+
+        ``lm_head_tied`` says so when index.json has it; otherwise LARQL's rule: tied when no
+        ``lm_head*.bin`` exists. (A tied larql-edge vindex also has ``lm_head.bin``: a link to
+        ``embeddings.bin``, so LARQL's embed-only server finds its lm_head.)
+        """
+        if self.index.lm_head_tied is not None:
+            return self.index.lm_head_tied
         return not any(self.path.glob("lm_head*.bin"))
 
     def has(self, name: str) -> bool:
         return (self.path / name).is_file()
 
     def files(self) -> list[Path]:
-        return sorted(f for f in self.path.iterdir() if f.is_file())
+        return sorted(f for f in self.path.iterdir() if f.is_file() and not f.name.startswith("."))
 
     # -- raw arrays ----------------------------------------------------------------------------
-    def _map(self, name: str) -> np.memmap:
+    def _map(self, name: str) -> np.ndarray:
         m = self._maps.get(name)
         if m is None:
             fp = self.path / name
@@ -175,20 +175,35 @@ class Vindex:
                 raise VindexError(f"{self.path}: missing {name}")
             if fp.stat().st_size == 0:
                 raise VindexError(f"{fp}: empty file")
-            m = np.memmap(fp, dtype=np.uint8, mode="r")
+            # A plain ndarray view of the memory map: numpy's memmap subclass costs microseconds of
+            # bookkeeping on every slice, and the map stays alive through the view's base.
+            m = np.memmap(fp, dtype=np.uint8, mode="r").view(np.ndarray)
             self._maps[name] = m
         return m
 
+    def embeddings_dtype(self) -> np.dtype:
+        """The embedding table's storage type: index.json's ``dtype``.
+
+        LARQL's loader decides this one file by its size (embeddings may stay f16 in a vindex whose
+        other files were converted), so a table whose size fits the other type is read as that.
+        """
+        size = (self.path / EMBEDDINGS).stat().st_size
+        count = self.vocab_size * self.hidden_size
+        declared = DTYPES[self.dtype]
+        if size == count * declared.itemsize:
+            return declared
+        for dt in DTYPES.values():
+            if size == count * dt.itemsize:
+                return dt
+        raise VindexError(f"{self.path / EMBEDDINGS}: {size} bytes fits neither f16 nor f32 "
+                          f"[{self.vocab_size}, {self.hidden_size}]")
+
     def embeddings(self) -> np.ndarray:
         """The raw (unscaled) embedding table as a read-only ``[vocab, hidden]`` memory map."""
-        raw = self._map(EMBEDDINGS)
-        count = self.vocab_size * self.hidden_size
-        dt = _dtype_for(raw.size, count, EMBEDDINGS)
-        return raw.view(dt).reshape(self.vocab_size, self.hidden_size)
-
-    @property
-    def embed_scale(self) -> float:
-        return float(self.index.get("embed_scale", 1.0))
+        if not self.has(EMBEDDINGS):
+            raise VindexError(f"{self.path}: missing {EMBEDDINGS}")
+        dt = self.embeddings_dtype()
+        return self._map(EMBEDDINGS).view(dt).reshape(self.vocab_size, self.hidden_size)
 
     @property
     def manifest(self) -> dict[str, ManifestEntry]:
@@ -199,59 +214,95 @@ class Vindex:
             else:
                 try:
                     rows = json.loads(mp.read_text())
-                    self._manifest = {
-                        r["key"]: ManifestEntry(
-                            key=r["key"],
-                            kind=r.get("kind", "tensor"),
-                            shape=tuple(int(s) for s in r["shape"]),
-                            offset=int(r["offset"]),
-                            length=int(r["length"]),
-                            file=r.get("file") or "model_weights.bin",
-                        )
-                        for r in rows
-                    }
-                except (OSError, ValueError, KeyError, TypeError) as e:
+                except (OSError, UnicodeDecodeError, ValueError) as e:
                     raise VindexError(f"{mp}: malformed weight manifest ({e})") from None
+                if not isinstance(rows, list):
+                    raise VindexError(f"{mp}: the weight manifest must be a JSON array")
+                entries = [ManifestEntry.from_json(r, str(mp)) for r in rows]
+                self._manifest = {e.key: e for e in entries}
         return self._manifest
 
     def has_tensor(self, key: str) -> bool:
         e = self.manifest.get(key)
         return e is not None and self.has(e.file)
 
-    def tensor(self, key: str) -> np.ndarray:
-        """A manifest tensor as a read-only memory map (f16 or f32 as stored)."""
+    def _entry(self, key: str) -> ManifestEntry:
         e = self.manifest.get(key)
         if e is None:
             raise VindexError(f"{self.path}: no tensor {key!r} in {MANIFEST}")
-        raw = self._map(e.file)
-        if e.offset < 0 or e.offset + e.length > raw.size:
-            raise VindexError(f"{self.path / e.file}: tensor {key!r} lies outside the file (truncated?)")
+        return e
+
+    def tensor_dtype(self, key: str) -> np.dtype:
+        """The storage type of a float tensor: index.json's ``dtype``, except where LARQL's writers
+        fix it (``tensor_f16`` entries are f16; a q4k vindex keeps norms in f32)."""
+        e = self._entry(key)
+        if e.kind == "tensor_f16":
+            dt = DTYPES["f16"]
+        elif e.kind in ("tensor_q4k", "packed_bf16"):
+            raise VindexError(f"{self.path}: tensor {key!r} is {e.kind}, not a float tensor")
+        elif self.index.quant == "q4k" and e.file == NORMS:
+            dt = DTYPES["f32"]
+        else:
+            dt = DTYPES[self.dtype]
         count = int(np.prod(e.shape))
-        dt = _dtype_for(e.length, count, f"{e.file}:{key}")
+        if e.length != count * dt.itemsize:
+            raise VindexError(f"{self.path / e.file}: tensor {key!r} has {e.length} bytes, expected "
+                              f"{count * dt.itemsize} for {list(e.shape)} {dt.name} (index.json dtype {self.dtype})")
+        return dt
+
+    def tensor(self, key: str) -> np.ndarray:
+        """A manifest tensor as a read-only memory map (f16 or f32 as stored)."""
+        e = self._entry(key)
+        dt = self.tensor_dtype(key)
+        raw = self._map(e.file)
+        if e.offset + e.length > raw.size:
+            raise VindexError(f"{self.path / e.file}: tensor {key!r} lies outside the file (truncated?)")
         return raw[e.offset : e.offset + e.length].view(dt).reshape(e.shape)
 
     def tensor_f32(self, key: str) -> np.ndarray:
         return np.asarray(self.tensor(key), dtype=np.float32)
 
-    @property
-    def layers(self) -> list[dict[str, Any]]:
-        return list(self.index.get("layers") or [])
+    def read_rows(self, key: str | None, start: int, count: int) -> np.ndarray:
+        """Rows ``[start, start + count)`` of a 2-D tensor (``None``: the embedding table) as a
+        fresh array in the stored type, read with ``pread``: converting a whole table through its
+        memory map would leave all of it resident in this process."""
+        if key is None:
+            name, offset, dt = EMBEDDINGS, 0, self.embeddings_dtype()
+            rows, cols = self.vocab_size, self.hidden_size
+        else:
+            e = self._entry(key)
+            if len(e.shape) != 2:
+                raise VindexError(f"{self.path}: tensor {key!r} is not 2-D")
+            name, offset, dt = e.file, e.offset, self.tensor_dtype(key)
+            rows, cols = e.shape
+        if start < 0 or count < 0 or start + count > rows:
+            raise VindexError(f"rows {start}..{start + count} outside [0, {rows})")
+        nbytes = count * cols * dt.itemsize
+        fd = os.open(self.path / name, os.O_RDONLY)
+        try:
+            buf = os.pread(fd, nbytes, offset + start * cols * dt.itemsize)
+        finally:
+            os.close(fd)
+        if len(buf) != nbytes:
+            raise VindexError(f"{self.path / name}: truncated while reading rows {start}..{start + count}")
+        return np.frombuffer(buf, dtype=dt).reshape(count, cols)
 
     def has_gate(self) -> bool:
-        return self.has(GATE) and bool(self.layers)
+        return self.has(GATE) and bool(self.index.layers)
 
     def gate(self, layer: int) -> np.ndarray:
         """Layer ``layer``'s gate projection ``[num_features, hidden]`` from gate_vectors.bin."""
-        for info in self.layers:
-            if int(info["layer"]) == layer:
-                raw = self._map(GATE)
-                off, length = int(info["offset"]), int(info["length"])
-                if off + length > raw.size:
-                    raise VindexError(f"{self.path / GATE}: layer {layer} lies outside the file (truncated?)")
-                n = int(info["num_features"])
-                dt = _dtype_for(length, n * self.hidden_size, f"{GATE}:layer {layer}")
-                return raw[off : off + length].view(dt).reshape(n, self.hidden_size)
-        raise VindexError(f"{self.path}: no gate vectors for layer {layer}")
+        info = self.index.layer(layer)
+        if info is None:
+            raise VindexError(f"{self.path}: no gate vectors for layer {layer}")
+        raw = self._map(GATE)
+        if info.offset + info.length > raw.size:
+            raise VindexError(f"{self.path / GATE}: layer {layer} lies outside the file (truncated?)")
+        dt = DTYPES[self.dtype]
+        if info.length != info.num_features * self.hidden_size * dt.itemsize:
+            raise VindexError(f"{self.path / GATE}: layer {layer} has {info.length} bytes, expected "
+                              f"{info.num_features} x {self.hidden_size} {self.dtype}")
+        return raw[info.offset : info.offset + info.length].view(dt).reshape(info.num_features, self.hidden_size)
 
     @property
     def tokenizer_path(self) -> Path:
@@ -282,22 +333,73 @@ class Vindex:
 
 # -- writing ------------------------------------------------------------------------------------
 
+_STAGING_SUFFIX = ".partial"
+
+
+def _staging_pid(name: str, target: str) -> int | None:
+    """The writer's pid from a staging folder name ``.<target>.<pid>.partial``."""
+    prefix = f".{target}."
+    if not (name.startswith(prefix) and name.endswith(_STAGING_SUFFIX)):
+        return None
+    mid = name[len(prefix) : -len(_STAGING_SUFFIX)]
+    return int(mid) if mid.isdigit() else None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_staging(out: Path) -> list[Path]:
+    """Remove staging folders beside ``out`` whose writer is gone (a killed extract or slice)."""
+    removed = []
+    if not out.parent.is_dir():
+        return removed
+    for p in out.parent.iterdir():
+        pid = _staging_pid(p.name, out.name)
+        if pid is not None and pid != os.getpid() and not _alive(pid) and p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p)
+    return removed
+
+
+def _replaceable(out: Path) -> bool:
+    """--force replaces a vindex folder (or an empty one), never any other folder or file."""
+    if out.is_dir():
+        return (out / INDEX).is_file() or not any(out.iterdir())
+    return False
+
 
 @contextmanager
 def staged_output(out: str | os.PathLike[str], force: bool = False) -> Iterator[Path]:
-    """Yield a temporary folder beside ``out``; rename it to ``out`` only if the block succeeds.
+    """Yield a staging folder beside ``out``; rename it to ``out`` only if the block succeeds.
 
-    A failed or interrupted write removes the temporary folder, so ``out`` is either the old
-    content (nothing) or the complete new one.
+    A failed or interrupted write removes the staging folder; a killed one leaves it, and the next
+    write to the same ``out`` removes it. ``out`` is either the old content or the complete new one.
     """
     out = Path(out)
-    if out.exists() and not force:
-        raise OutputExists(f"{out} exists (use --force to replace it)")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes 0700; the result is an ordinary folder
+    if out.exists() or out.is_symlink():
+        if not force:
+            raise OutputExists(f"{out} exists (use --force to replace it)")
+        if not _replaceable(out):
+            raise OutputExists(f"{out} exists and is not a vindex folder: --force replaces only a vindex "
+                               "(or an empty folder); remove it yourself if you mean it")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_staging(out)
+        tmp = out.parent / f".{out.name}.{os.getpid()}{_STAGING_SUFFIX}"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+    except PermissionError as e:
+        raise OutputExists(f"cannot write {out}: permission denied ({e.filename or out.parent})") from None
+    except OSError as e:
+        raise OutputExists(f"cannot write {out}: {e.strerror or e}") from None
     try:
         yield tmp
         if out.exists():
@@ -324,7 +426,7 @@ class VindexWriter:
         self._files: dict[str, Any] = {}
         self._offsets: dict[str, int] = {}
         self.entries: list[ManifestEntry] = []
-        self.layers: list[dict[str, Any]] = []
+        self.layers: list[LayerInfo] = []
 
     def _append(self, file: str, arr: np.ndarray, dtype: np.dtype | None = None) -> tuple[int, int]:
         data = np.ascontiguousarray(arr, dtype=dtype or self.dtype)
@@ -349,7 +451,7 @@ class VindexWriter:
 
     def add_gate(self, layer: int, arr: np.ndarray) -> None:
         off, n = self._append(GATE, arr)
-        self.layers.append({"layer": layer, "num_features": int(arr.shape[0]), "offset": off, "length": n})
+        self.layers.append(LayerInfo(layer=layer, num_features=int(arr.shape[0]), offset=off, length=n))
 
     def write_embeddings(self, arr: np.ndarray) -> None:
         with open(self.folder / EMBEDDINGS, "wb") as f:
@@ -361,6 +463,19 @@ class VindexWriter:
                     raise VindexError("refusing to write non-finite embedding values")
                 f.write(block.tobytes())
 
+    def link_tied_lm_head(self, vocab: int, hidden: int) -> None:
+        """A tied model's ``lm_head.bin``: a link to ``embeddings.bin`` (no second copy on disk,
+        ADR-0008), with its manifest entry, so LARQL's embed-only server finds an lm_head. A hard
+        link where the filesystem allows one (slicing and publishing then see an ordinary file with
+        the same sha256, which the Hub stores once), else a relative symlink."""
+        try:
+            os.link(self.folder / EMBEDDINGS, self.folder / LM_HEAD)
+        except OSError:
+            os.symlink(EMBEDDINGS, self.folder / LM_HEAD)
+        n = vocab * hidden * self.dtype.itemsize
+        self.entries.append(ManifestEntry(key=LM_HEAD_KEY, kind="tensor", shape=(vocab, hidden), offset=0,
+                                          length=n, file=LM_HEAD))
+
     def write_json(self, name: str, obj: Any) -> None:
         (self.folder / name).write_text(json.dumps(obj, indent=2) + "\n")
 
@@ -369,16 +484,14 @@ class VindexWriter:
             f.close()
         self._files.clear()
 
-    def finish(self, index: dict[str, Any]) -> dict[str, Any]:
+    def finish(self, index: VindexIndex) -> VindexIndex:
         """Close the data files, write the manifest, checksum everything, write index.json."""
         self.close_files()
         if self.entries:
             self.write_json(MANIFEST, [e.to_json() for e in self.entries])
-        index = dict(index)
-        index["version"] = FORMAT_VERSION
-        index["dtype"] = self.dtype_name
-        index["layers"] = sorted(self.layers, key=lambda r: r["layer"])
-        index["checksums"] = checksum_folder(self.folder)
+        index = index.replace(version=FORMAT_VERSION, dtype=self.dtype_name,
+                              layers=tuple(sorted(self.layers, key=lambda r: r.layer)),
+                              checksums=checksum_folder(self.folder))
         write_index(self.folder, index)
         return index
 
@@ -391,13 +504,9 @@ def checksum_folder(folder: Path) -> dict[str, str]:
     }
 
 
-def write_index(folder: Path, index: dict[str, Any]) -> None:
+def write_index(folder: Path, index: VindexIndex) -> None:
     """Write index.json atomically (temp file + rename)."""
     folder = Path(folder)
     tmp = folder / f".{INDEX}.tmp"
-    tmp.write_text(json.dumps(index, indent=2) + "\n")
+    tmp.write_text(json.dumps(index.to_json(), indent=2) + "\n")
     os.replace(tmp, folder / INDEX)
-
-
-def read_index(folder: str | os.PathLike[str]) -> dict[str, Any]:
-    return Vindex.open(folder).index

@@ -17,11 +17,10 @@ from typing import Protocol
 
 import numpy as np
 
-from larql_edge.model.backend import Backend, get_backend
-from larql_edge.tools.slicer.errors import VindexError
+from larql_edge.errors import VindexError
 from larql_edge.format.vindex import Vindex
-
 from larql_edge.model import ops
+from larql_edge.model.backend import Backend, get_backend
 from larql_edge.model.spec import ModelSpec
 from larql_edge.model.weights import AttentionLayer, FfnLayer, final_norm, lm_head_matrix, load_attention_layer, load_ffn_layer
 

@@ -1,12 +1,12 @@
-"""ModelSpec: everything the forward pass needs to know about a model, read from index.json."""
+"""ModelSpec: everything the forward pass needs to know about a model, from its typed index."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
-from larql_edge.tools.slicer.errors import VindexError
+from larql_edge.errors import VindexError
 from larql_edge.format.families import Family, family_by_name, family_for_hf_model_type
+from larql_edge.format.index import VindexIndex
 
 
 @dataclass(frozen=True)
@@ -41,64 +41,44 @@ class ModelSpec:
         return self.rope_base
 
     @classmethod
-    def from_index(cls, index: dict[str, Any]) -> "ModelSpec":
-        mc = index.get("model_config") or {}
-        try:
-            fam = family_by_name(index["family"]) if index.get("family") else family_for_hf_model_type(
-                mc.get("model_type", "")
-            )
-            n_layers = int(index["num_layers"])
-            hidden = int(index["hidden_size"])
-            head_dim = int(mc["head_dim"])
-            nq = int(mc["num_q_heads"])
-            nkv = int(mc["num_kv_heads"])
-        except (KeyError, TypeError, ValueError) as e:
-            raise VindexError(f"index.json model_config is incomplete ({e})") from None
-        sliding = mc.get("sliding_window")
-        layer_types = mc.get("layer_types")
+    def from_index(cls, index: VindexIndex) -> "ModelSpec":
+        """The spec of a vindex's model, from its typed index (`larql_edge.format.index`)."""
+        mc = index.model_config
+        if mc is None:
+            raise VindexError("index.json has no model_config: the forward pass cannot be built")
+        fam = family_by_name(index.family) if index.family else family_for_hf_model_type(mc.model_type)
+        n_layers = index.num_layers
+        layer_types: tuple[str, ...] | None = mc.layer_types
         if not layer_types:
-            pattern = mc.get("sliding_window_pattern") or fam.default_sliding_window_pattern
-            if sliding and pattern:
-                layer_types = [
+            pattern = mc.sliding_window_pattern or fam.default_sliding_window_pattern
+            if mc.sliding_window and pattern:
+                layer_types = tuple(
                     "full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n_layers)
-                ]
+                )
             else:
-                layer_types = ["full_attention"] * n_layers
+                layer_types = ("full_attention",) * n_layers
         if len(layer_types) != n_layers:
             raise VindexError(f"index.json: layer_types has {len(layer_types)} entries for {n_layers} layers")
-        qpas = mc.get("query_pre_attn_scalar")
-        attn_scale = float(qpas) ** -0.5 if qpas else head_dim**-0.5
-        eos = mc.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else ((int(eos),) if eos is not None else ())
+        qpas = mc.query_pre_attn_scalar
         return cls(
             family=fam,
             num_layers=n_layers,
-            hidden_size=hidden,
-            intermediate_size=int(index.get("intermediate_size") or 0),
-            vocab_size=int(index["vocab_size"]),
-            head_dim=head_dim,
-            num_q_heads=nq,
-            num_kv_heads=nkv,
-            rope_base=float(mc.get("rope_base", 10000.0)),
-            rope_local_base=(
-                float(mc["rope_local_base"]) if mc.get("rope_local_base") is not None else fam.default_rope_local_base
-            ),
-            sliding_window=int(sliding) if sliding else None,
+            hidden_size=index.hidden_size,
+            intermediate_size=index.intermediate_size,
+            vocab_size=index.vocab_size,
+            head_dim=mc.head_dim,
+            num_q_heads=mc.num_q_heads,
+            num_kv_heads=mc.num_kv_heads,
+            rope_base=mc.rope_base,
+            rope_local_base=mc.rope_local_base if mc.rope_local_base is not None else fam.default_rope_local_base,
+            sliding_window=mc.sliding_window,
             layer_types=tuple(layer_types),
-            rms_norm_eps=float(mc.get("rms_norm_eps", 1e-6)),
-            attn_scale=attn_scale,
-            embed_scale=float(index.get("embed_scale", fam.embed_scale(hidden))),
-            final_logit_softcapping=_opt_float(mc.get("final_logit_softcapping")),
-            attn_logit_softcapping=_opt_float(mc.get("attn_logit_softcapping")),
-            bos_token_id=_opt_int(mc.get("bos_token_id")),
-            eos_token_ids=eos_ids,
-            add_bos_token=bool(mc.get("add_bos_token", False)),
+            rms_norm_eps=mc.rms_norm_eps if mc.rms_norm_eps is not None else 1e-6,
+            attn_scale=float(qpas) ** -0.5 if qpas else mc.head_dim**-0.5,
+            embed_scale=index.embed_scale,
+            final_logit_softcapping=mc.final_logit_softcapping,
+            attn_logit_softcapping=mc.attn_logit_softcapping,
+            bos_token_id=mc.bos_token_id,
+            eos_token_ids=mc.eos_token_ids,
+            add_bos_token=mc.add_bos_token,
         )
-
-
-def _opt_float(v: Any) -> float | None:
-    return None if v is None else float(v)
-
-
-def _opt_int(v: Any) -> int | None:
-    return None if v is None else int(v)

@@ -10,10 +10,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from larql_edge.model.backend import Backend, get_backend
-from larql_edge.tools.slicer.errors import VindexError
+from larql_edge.errors import VindexError
 from larql_edge.format.vindex import Vindex
-
+from larql_edge.model.backend import Backend, get_backend
 from larql_edge.model.spec import ModelSpec
 
 

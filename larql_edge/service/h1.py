@@ -7,21 +7,9 @@ from __future__ import annotations
 import json as jsonlib
 from dataclasses import dataclass
 
+from larql_edge.errors import ConnectFailed, ConnectionLost, TimedOut, TransportError
 
-class TransportError(Exception):
-    """No reply: the server could not be reached, the connection broke, or it timed out."""
-
-
-class ConnectFailed(TransportError):
-    pass
-
-
-class TimedOut(TransportError):
-    pass
-
-
-class ConnectionLost(TransportError):
-    pass
+__all__ = ["ConnectFailed", "ConnectionLost", "Reply", "TimedOut", "TransportError", "describe", "error_text"]
 
 
 @dataclass

@@ -92,3 +92,6 @@ class HttpClient:
         for c in self._conns.values():
             c.close()
         self._conns.clear()
+
+    # A client dropped without close() (a model built and discarded) must not leak its sockets.
+    __del__ = close

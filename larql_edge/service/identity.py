@@ -17,7 +17,7 @@ def vindex_hash(vx: Vindex) -> str:
     the router can tell replicas that serve the same artefact from ones that do not.
     """
     sums = vx.checksums
-    basis = json.dumps(sums, sort_keys=True) if sums else json.dumps(vx.index, sort_keys=True, default=str)
+    basis = json.dumps(sums, sort_keys=True) if sums else json.dumps(vx.index.to_json(), sort_keys=True, default=str)
     return hashlib.sha256(basis.encode()).hexdigest()[:16]
 
 

@@ -1,45 +1,61 @@
-"""Membership of any role (FFN shard, embed server) in a grid: join the router, then heartbeat.
+"""Membership of any role (FFN shard, embed server) in a grid: join every router, then heartbeat.
 
-A role calls `install_membership` on its Sanic app; after the server starts, a background task
-joins the router with the grid key as a bearer token and sends a heartbeat every interval the
-router asks for. The task never gives up: when the router is down it keeps trying, and when the
-router answers a heartbeat with 404 (it restarted, or evicted us) the member simply joins again,
-so a router restart needs no member restart. On a clean stop the member leaves.
+A role calls `install_membership` on its Sanic app. After the server starts, a background task
+joins each router with the grid key as a bearer token and heartbeats at the interval the router
+asks for. The routers are ``--join``'s URLs; a URL whose host name resolves to several addresses
+(a Kubernetes headless Service, a Swarm ``dnsrr`` service) counts as every one of them, and names
+are resolved again every `RESOLVE_S` seconds, so a router replica that appears later is joined too.
+Routers do not talk to each other: every member joining every router is what keeps their views of
+the grid equal, and what lets a client fail over from one router to another.
 
-The grid key is only ever put in the Authorization header; it is never logged or shown.
+No loop ever gives up: while a router is down it retries with backoff; when a router answers a
+heartbeat with 404 (it restarted, or evicted us) the member joins again, so a router restart needs
+no member restart. ``POST /v1/membership/leave`` (grid key required; what a Kubernetes preStop hook
+calls) makes the member leave every router and drain (``/v1/ready`` answers 503). A clean stop
+leaves too. The grid key only ever goes into the Authorization header: never logged, never shown.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import os
+import socket
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 from sanic import Sanic
+from sanic.request import Request
+from sanic.response import HTTPResponse, json
 
 from larql_edge.config import Flags
+from larql_edge.errors import ProtocolError, Unauthorized
 from larql_edge.service.identity import rss_bytes
 from larql_edge.wire.grid import HEARTBEAT, JOIN, LEAVE, check_url
 
 log = logging.getLogger("larql.grid")
 
-# Backoff while the router is unreachable: quick first retries (a router restart takes ~1 s),
+# Backoff while a router is unreachable: quick first retries (a router restart takes ~1 s),
 # capped so a long outage costs one small request every few seconds.
 RETRY_FIRST_S = 0.2
 RETRY_MAX_S = 3.0
 REFUSED_RETRY_S = 10.0  # a refused key will not start working soon; don't hammer the router
 NOT_READY_POLL_S = 0.2
+RESOLVE_S = 5.0
+LEAVE_PATH = "/v1/membership/leave"
 
 
 def add_membership_flags(flags: Flags) -> None:
-    """``--join``, ``--grid-key`` (secret), ``--public-url``, each with its LARQL_ env twin."""
-    flags.add("--join", default=None, metavar="ROUTER_URL", help="register with this router (larql-router)")
+    """``--join``, ``--grid-key`` (secret, with ``--grid-key-file``), ``--public-url``."""
+    flags.add("--join", default=None, metavar="ROUTER_URL",
+              help="register with these routers (comma-separated; a name resolving to several addresses is all of them)")
     flags.add("--grid-key", default=None, secret=True, metavar="KEY", help="the grid's shared key (with --join)")
     flags.add("--public-url", default=None, metavar="URL",
-              help="URL the router and clients reach this server at (default: http://HOST:PORT)")
+              help="URL the routers and clients reach this server at (default: http://HOST:PORT)")
 
 
 def default_public_url(host: str, port: int) -> str:
@@ -49,27 +65,61 @@ def default_public_url(host: str, port: int) -> str:
     return f"http://{h}:{port}"
 
 
-def membership_settings(args: Any, host: str, port: int) -> dict | None:
-    """Checked membership settings from parsed flags, or None when ``--join`` is not given.
+@dataclass(frozen=True, repr=False)
+class GridSettings:
+    routers: tuple[str, ...]
+    grid_key: str
+    public_url: str
 
-    Raises ValueError with a message safe to print (it never contains the key).
+    def __repr__(self) -> str:  # never print the key
+        return f"GridSettings(routers={self.routers!r}, public_url={self.public_url!r}, grid_key=***)"
+
+
+def membership_settings(args: Any, host: str, port: int) -> GridSettings | None:
+    """Checked membership settings from parsed flags, or None without ``--join``.
+
+    Raises ProtocolError with a message safe to print (it never holds the key).
     """
-    router = getattr(args, "join", None)
-    if not router:
+    join = getattr(args, "join", None)
+    if not join:
         return None
     key = getattr(args, "grid_key", None)
     if not key:
-        raise ValueError("--join needs --grid-key (or LARQL_GRID_KEY)")
-    public = getattr(args, "public_url", None) or default_public_url(host, port)
-    try:
-        check_url(router)
-        public = check_url(public)
-    except ValueError as e:
-        raise ValueError(str(e).replace('"public_url"', "the URL")) from None
-    return {"router_url": router.rstrip("/"), "grid_key": key, "public_url": public}
+        raise ProtocolError("--join needs --grid-key (or --grid-key-file, LARQL_GRID_KEY, LARQL_GRID_KEY_FILE)")
+    routers = tuple(check_url(u.strip(), "--join") for u in join.split(",") if u.strip())
+    if not routers:
+        raise ProtocolError("--join names no router URL")
+    public = check_url(getattr(args, "public_url", None) or default_public_url(host, port), "--public-url")
+    return GridSettings(routers=routers, grid_key=key, public_url=public)
 
 
-class Membership:
+def expand_router_urls(urls: tuple[str, ...]) -> list[str]:
+    """Every router address the URLs name: a host resolving to several addresses is each of them.
+
+    A name that does not resolve (yet) is kept as it is: its membership loop retries, and the
+    next resolution may find it.
+    """
+    out: list[str] = []
+    for url in urls:
+        u = urlsplit(url)
+        host, port = u.hostname or "", u.port or (443 if u.scheme == "https" else 80)
+        try:
+            infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+            addrs = sorted({i[4][0] for i in infos})
+        except OSError:
+            addrs = []
+        if len(addrs) <= 1:
+            out.append(url)
+            continue
+        for a in addrs:
+            netloc = f"[{a}]:{port}" if ":" in a else f"{a}:{port}"
+            out.append(urlunsplit((u.scheme, netloc, u.path, "", "")))
+    return list(dict.fromkeys(out))
+
+
+class RouterLink:
+    """Membership with one router: join, heartbeat, join again when forgotten, leave at the end."""
+
     def __init__(self, router_url: str, grid_key: str, public_url: str, capability: str,
                  describe_fn: Callable[[], dict], timeout: float = 3.0,
                  ready_fn: Callable[[], bool] | None = None):
@@ -81,6 +131,7 @@ class Membership:
         self.ready = ready_fn
         self.timeout = timeout
         self.member_id: str | None = None
+        self.member_token: str | None = None
         self.interval = 1.0
         self.joins = 0
         self._stop = asyncio.Event()
@@ -92,6 +143,12 @@ class Membership:
         d.update(capability=self.capability, public_url=self.public_url, rss_bytes=rss_bytes(), pid=os.getpid())
         return d
 
+    def _credentials(self) -> dict:
+        out: dict[str, str] = {"member_id": self.member_id or ""}
+        if self.member_token:
+            out["member_token"] = self.member_token
+        return out
+
     async def _post(self, path: str, body: dict) -> httpx.Response:
         assert self._client is not None
         return await self._client.post(self.router + path, json=body, headers=self._auth)
@@ -101,6 +158,8 @@ class Membership:
         if r.status_code == 200:
             reply = r.json()
             self.member_id = str(reply["member_id"])
+            token = reply.get("member_token")
+            self.member_token = str(token) if token else None
             self.interval = max(0.05, float(reply.get("heartbeat_interval_s", 1.0)))
             self.joins += 1
             self._warned = False
@@ -115,12 +174,12 @@ class Membership:
     async def heartbeat(self) -> None:
         d = self._body()
         load = {k: d[k] for k in ("inflight", "layer_latency_ms", "rss_bytes") if k in d}
-        r = await self._post(HEARTBEAT, {"member_id": self.member_id, **load})
-        if r.status_code == 404:
+        r = await self._post(HEARTBEAT, {**self._credentials(), **load})
+        if r.status_code in (403, 404):
             log.warning("the router at %s no longer knows this member; joining again", self.router)
-            self.member_id = None
+            self.member_id = self.member_token = None
         elif r.status_code == 401:
-            self.member_id = None
+            self.member_id = self.member_token = None
             raise _Refused
         elif r.status_code != 200:
             log.warning("heartbeat refused: %s %s", r.status_code, _error_text(r))
@@ -142,7 +201,7 @@ class Membership:
                     delay = RETRY_FIRST_S
                 except _Refused:
                     wait = REFUSED_RETRY_S
-                except (httpx.HTTPError, ValueError, KeyError) as e:
+                except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
                     if not self._warned:
                         log.warning("router %s unreachable (%s); retrying", self.router, type(e).__name__)
                         self._warned = True
@@ -159,18 +218,67 @@ class Membership:
         if self.member_id is None or self._client is None:
             return
         try:
-            await self._client.post(self.router + LEAVE, json={"member_id": self.member_id},
-                                    headers=self._auth, timeout=1.0)
+            await self._client.post(self.router + LEAVE, json=self._credentials(), headers=self._auth, timeout=1.0)
         except httpx.HTTPError:
             pass  # eviction covers a router we cannot reach
-        self.member_id = None
+        self.member_id = self.member_token = None
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+class Membership:
+    """A member's links to every router of the grid, kept in step with what the names resolve to."""
+
+    def __init__(self, settings: GridSettings, capability: str, describe_fn: Callable[[], dict],
+                 ready_fn: Callable[[], bool] | None = None, resolve: Callable[[tuple[str, ...]], list[str]] = expand_router_urls):
+        self.settings = settings
+        self.capability = capability
+        self.describe = describe_fn
+        self.ready = ready_fn
+        self.resolve = resolve
+        self.links: dict[str, tuple[RouterLink, asyncio.Task]] = {}
+        self._stop = asyncio.Event()
+
+    @property
+    def member_ids(self) -> dict[str, str | None]:
+        return {url: link.member_id for url, (link, _) in self.links.items()}
+
+    def _start(self, url: str) -> None:
+        s = self.settings
+        link = RouterLink(url, s.grid_key, s.public_url, self.capability, self.describe, ready_fn=self.ready)
+        self.links[url] = (link, asyncio.get_running_loop().create_task(link.run()))
+
+    async def _drop(self, url: str) -> None:
+        link, task = self.links.pop(url)
+        link.stop()
+        try:
+            await asyncio.wait_for(task, timeout=2.0)
+        except (asyncio.TimeoutError, asyncio.CancelledError):
+            task.cancel()
+
+    async def run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                wanted = await asyncio.get_running_loop().run_in_executor(None, self.resolve, self.settings.routers)
+                for url in wanted:
+                    if url not in self.links:
+                        self._start(url)
+                for url in [u for u in self.links if u not in wanted]:
+                    await self._drop(url)
+                try:
+                    await asyncio.wait_for(self._stop.wait(), timeout=RESOLVE_S)
+                except asyncio.TimeoutError:
+                    pass
+        finally:
+            await asyncio.gather(*(self._drop(u) for u in list(self.links)), return_exceptions=True)
 
     def stop(self) -> None:
         self._stop.set()
 
 
 class _Refused(Exception):
-    pass
+    """Control flow inside a link's loop: the router refused our key."""
 
 
 def _error_text(r: httpx.Response) -> str:
@@ -180,37 +288,49 @@ def _error_text(r: httpx.Response) -> str:
         return ""
 
 
-def install_membership(app: Sanic, router_url: str | None, grid_key: str | None, public_url: str,
-                       capability: str, describe_fn: Callable[[], dict],
-                       ready_fn: Callable[[], bool] | None = None) -> Membership | None:
-    """Join ``router_url`` after the server starts, heartbeat while it runs, leave when it stops.
+def install_membership(app: Sanic, settings: GridSettings | None, capability: str,
+                       describe_fn: Callable[[], dict], ready_fn: Callable[[], bool] | None = None) -> Membership | None:
+    """Join the grid after the server starts, heartbeat while it runs, leave when it stops or drains.
 
     ``describe_fn()`` returns the announcement fields (``model``, ``num_layers``, ``hidden_size``,
     ``layer_start``/``layer_end`` for FFN, ``vindex_hash``) and the current load (``inflight``,
     ``layer_latency_ms``); it is called for every join and heartbeat. Capability, public URL and
     RSS are added here. ``ready_fn()``, when given, gates the join: a role that loads after it
-    listens (the embed server) joins only once it can answer. Does nothing (returns None) when
-    ``router_url`` is empty. With several Sanic workers, install it in one worker only: members
-    are told apart by their public URL, so two workers would keep replacing each other.
+    listens (the embed server) joins only once it can answer. Does nothing without settings. With
+    several Sanic workers, install it in one worker only: members are told apart by public URL.
     """
-    if not router_url:
+    if settings is None:
         return None
-    if not grid_key:
-        raise ValueError("joining a grid needs the grid key")
-    member = Membership(router_url, grid_key, public_url, capability, describe_fn, ready_fn=ready_fn)
+    member = Membership(settings, capability, describe_fn, ready_fn=ready_fn)
     app.ctx.membership = member
+    key = settings.grid_key.encode()
+
+    async def leave(request: Request) -> HTTPResponse:
+        scheme, _, token = (request.headers.get("authorization") or "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key):
+            raise Unauthorized("grid key refused")
+        request.app.ctx.draining = True
+        routers = len(member.links)
+        member.stop()
+        task = getattr(request.app.ctx, "membership_task", None)
+        if task is not None:
+            await asyncio.wait_for(asyncio.shield(task), timeout=5.0)
+        log.info("left %d router(s) on request; draining", routers)
+        return json({"left": routers, "draining": True})
+
+    app.add_route(leave, LEAVE_PATH, methods=["POST"], name="membership_leave")
 
     @app.after_server_start
-    async def _start_membership(app, _loop=None):
+    async def _start_membership(app):
         app.ctx.membership_task = asyncio.get_running_loop().create_task(member.run())
 
     @app.before_server_stop
-    async def _stop_membership(app, _loop=None):
+    async def _stop_membership(app):
         member.stop()
         task = getattr(app.ctx, "membership_task", None)
         if task is not None:
             try:
-                await asyncio.wait_for(task, timeout=2.0)
+                await asyncio.wait_for(task, timeout=3.0)
             except (asyncio.TimeoutError, asyncio.CancelledError):
                 task.cancel()
 

@@ -3,7 +3,7 @@
 ``Metrics("embed")`` names everything ``larql_embed_*`` and provides what every role reports:
 
 - ``larql_<role>_requests_total{route, method, status}``
-- ``larql_<role>_errors_total{route, type}`` (type: the `AppError` kind, or the Sanic error class)
+- ``larql_<role>_errors_total{route, type}`` (type: the `LarqlError` kind, or the Sanic error class)
 - ``larql_<role>_request_duration_seconds{route}``, buckets from 10 µs to 10 s
 
 plus `counter`/`gauge`/`histogram` for the role's own series. ``route`` is the route's path
@@ -101,8 +101,12 @@ class Metrics:
         self.duration = self.histogram(
             "request_duration_seconds", "Time from request received to response ready", ("route",)
         )
+        # What an autoscaler and the memory alert read; both are set at every flush (see below).
+        self.inflight = self.gauge("inflight", "Requests being computed or queued for compute in this process")
+        self.memory = self.gauge("resident_memory_bytes", "Resident memory of this process")
+        self._inflight_fn = lambda: 0
         self._children: dict[tuple, Any] = {}
-        self._flushers: list = [self._flush_requests]
+        self._flushers: list = [self._flush_requests, self._flush_process]
         # Per-request figures accumulate here and reach Prometheus at the next flush.
         self._pending_requests: dict[tuple[str, str, int], int] = {}
         self._pending_errors: dict[tuple[str, str], int] = {}
@@ -116,6 +120,16 @@ class Metrics:
 
     def add_flusher(self, fn) -> None:
         self._flushers.append(fn)
+
+    def track_inflight(self, fn) -> None:
+        """Where ``larql_<role>_inflight`` comes from (a role's compute queue, its upstream requests)."""
+        self._inflight_fn = fn
+
+    def _flush_process(self) -> None:
+        import psutil
+
+        self.inflight.set(self._inflight_fn())
+        self.memory.set(psutil.Process().memory_info().rss)
 
     def flush(self) -> None:
         for fn in self._flushers:
@@ -195,7 +209,7 @@ class Metrics:
         from sanic.response import raw
         from sanic.signals import Event
 
-        from larql_edge.service.envelope import error_kind
+        from larql_edge.service._envelope import error_kind
 
         @app.signal(Event.HTTP_LIFECYCLE_EXCEPTION)
         async def _remember_error(request, exception):
@@ -229,14 +243,14 @@ class Metrics:
                 self.flush()
 
         @app.after_server_start
-        async def _start_flusher(app_, loop=None):
+        async def _start_flusher(app_):
             import asyncio
 
             # A plain task we cancel and await ourselves (Sanic warns about its own tasks at shutdown).
             app_.ctx.metrics_flusher = asyncio.get_running_loop().create_task(_flush_periodically(app_))
 
         @app.before_server_stop
-        async def _last_flush(app_, loop=None):
+        async def _last_flush(app_):
             import asyncio
             import contextlib
 
@@ -248,5 +262,5 @@ class Metrics:
             self.flush()
 
         @app.after_server_stop
-        async def _dead(app_, loop=None):
+        async def _dead(app_):
             self.mark_process_dead()

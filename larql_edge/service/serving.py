@@ -1,30 +1,35 @@
-"""What every grid role's `main` does around its app: BLAS pinning, logging, and running Sanic."""
+"""What every server's `main` does around its app: one set of server flags, BLAS pinning, logging,
+and running Sanic."""
 
 from __future__ import annotations
 
 import logging
-import os
 import sys
+from collections.abc import Callable
+from functools import partial
 
 from sanic import Sanic
 
-from larql_edge.config import Flags
+from larql_edge.config import Flags, export_blas_threads
 
 
-def add_server_flags(flags: Flags, port: int) -> None:
-    flags.add("--host", default="127.0.0.1", help="address to listen on")
+def add_server_flags(flags: Flags, port: int, workers: bool = False) -> None:
+    """``--host --port --blas-threads --log-level --access-log`` (and ``--workers``), each with its twin."""
+    flags.add("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     flags.add("--port", type=int, default=port, help="port to listen on")
+    if workers:
+        flags.add("--workers", type=int, default=1, help="worker processes (each maps the same files; metrics add up)")
     flags.add("--blas-threads", type=int, default=1,
-              help="BLAS threads for this process (processes sharing a machine must not oversubscribe it)")
+              help="BLAS threads per process (processes sharing a machine must not oversubscribe it)")
     flags.add("--log-level", default="info", help="debug, info, warning or error")
+    flags.switch("--access-log", help="log every request")
 
 
 def pin_blas(threads: int | None) -> None:
-    """Limit BLAS/OpenMP threads now (threadpoolctl) and for any child we might start (env)."""
+    """Limit BLAS/OpenMP threads now (threadpoolctl) and for any process we start (env)."""
     if not threads or threads <= 0:
         return
-    for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-        os.environ[var] = str(threads)
+    export_blas_threads(threads)
     from threadpoolctl import threadpool_limits
 
     threadpool_limits(threads)
@@ -42,7 +47,15 @@ def setup_logging(level: str) -> None:
     log.propagate = False
 
 
-def run(app: Sanic, host: str, port: int) -> None:
-    # One process per role: the grid scales by starting more roles, not more workers, and a
-    # single process is what the supervisor (larql-grid, tests) can stop by its id.
-    app.run(host=host, port=port, single_process=True, access_log=False, motd=False)
+def serve(factory: Callable[[], Sanic], host: str, port: int, workers: int = 1, access_log: bool = False) -> None:
+    """Run the app ``factory()`` builds. One worker is one process (what a supervisor stops by its
+    pid); more run under Sanic's worker manager, each worker building its own app."""
+    if workers <= 1:
+        factory().run(host=host, port=port, single_process=True, access_log=access_log, motd=False)
+        return
+    from sanic.worker.loader import AppLoader
+
+    loader = AppLoader(factory=partial(factory))
+    app = loader.load()
+    app.prepare(host=host, port=port, workers=workers, access_log=access_log, motd=False)
+    Sanic.serve(primary=app, app_loader=loader)

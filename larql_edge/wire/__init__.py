@@ -1,4 +1,4 @@
-"""Wire codecs: one module per format (DESIGN.md §1). `WireError` is what every decoder raises.
+"""Wire codecs: one module per format (DESIGN.md §1). `WireError` (a 400) is what every decoder raises.
 
 - `larql_edge.wire.embed`: the embed server's requests and responses (``/v1/embed``, ``/v1/logits``);
 - `larql_edge.wire.ffn`: the FFN shard's ``/v1/walk-ffn``.
@@ -11,9 +11,6 @@ BINARY = "application/x-larql-ffn"
 BINARY_F16 = "application/x-larql-ffn-f16"
 JSON = "application/json"
 
-
-class WireError(ValueError):
-    """A malformed wire message (the server answers 400; a client treats the reply as garbage)."""
-
+from larql_edge.errors import WireError
 
 __all__ = ["BINARY", "BINARY_F16", "JSON", "WireError"]

@@ -16,7 +16,7 @@ Response, batch::    u32 0xFFFFFFFF, u32 num_results, f32 latency_ms,
 VAL is f32 (``application/x-larql-ffn``) or f16 when the caller sent
 ``Accept: application/x-larql-ffn-f16``; the framing is the same. Request values are always f32.
 
-Every decoder checks sizes exactly and raises `WireError` (a ValueError) naming what is wrong, so
+Every decoder checks sizes exactly and raises `WireError` (a 400) naming what is wrong, so
 a server can answer 400 without ever indexing past the buffer.
 """
 
@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from larql_edge.wire import BINARY, BINARY_F16, WireError
+from larql_edge.wire.numbers import finite_f32, float_rows, float_vector
 
 CONTENT_TYPE = BINARY
 CONTENT_TYPE_F16 = BINARY_F16
@@ -121,7 +122,7 @@ def decode_request(body: bytes, hidden: int) -> FfnRequest:
     got = len(mv) - off
     if got != want:
         raise WireError(f"expected {want} bytes of f32 values (seq_len {seq_len} x hidden {hidden}), got {got}")
-    x = np.frombuffer(mv[off:], dtype=_F32).reshape(seq_len, hidden)
+    x = finite_f32(np.frombuffer(mv[off:], dtype=_F32).reshape(seq_len, hidden), "the input rows")
     return FfnRequest(layers=layers, x=x, batch=batch, full_output=bool(flags & FLAG_FULL_OUTPUT), top_k=int(top_k))
 
 
@@ -281,19 +282,15 @@ def request_from_json(obj: object, hidden: int) -> FfnRequest:
         batch = True
     if "residual" not in obj:
         raise WireError('missing "residual"')
-    try:
-        x = np.asarray(obj["residual"], dtype=np.float32)
-    except (TypeError, ValueError):
-        raise WireError('"residual" must be numbers: [[f32 x hidden] per position] or a flat list') from None
-    if x.ndim == 1:
-        seq = obj.get("seq_len", x.size // hidden if hidden else 0)
-        if isinstance(seq, bool) or not isinstance(seq, int) or seq <= 0 or x.size != seq * hidden:
-            raise WireError(f'"residual" has {x.size} values: not seq_len x hidden ({hidden})')
-        x = x.reshape(seq, hidden)
-    if x.ndim != 2 or x.shape[1] != hidden or x.shape[0] == 0:
-        raise WireError(f'"residual" must be [seq_len >= 1, hidden = {hidden}], got shape {list(x.shape)}')
-    if not np.all(np.isfinite(x)):
-        raise WireError('"residual" holds non-finite values')
+    value = obj["residual"]
+    if isinstance(value, list) and value and isinstance(value[0], list):
+        x = float_rows(value, '"residual"', hidden)
+    else:
+        flat = float_vector(value, '"residual"')
+        seq = obj.get("seq_len", flat.size // hidden if hidden else 0)
+        if isinstance(seq, bool) or not isinstance(seq, int) or seq <= 0 or flat.size != seq * hidden:
+            raise WireError(f'"residual" has {flat.size} values: not seq_len x hidden ({hidden})')
+        x = flat.reshape(seq, hidden)
     full = obj.get("full_output", True)
     if not isinstance(full, bool):
         raise WireError('"full_output" must be true or false')

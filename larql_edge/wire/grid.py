@@ -13,14 +13,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
+from larql_edge.errors import ProtocolError
+
 JOIN = "/v1/grid/join"
 HEARTBEAT = "/v1/grid/heartbeat"
 LEAVE = "/v1/grid/leave"
 CAPABILITIES = ("ffn", "embed")
-
-
-class ProtocolError(ValueError):
-    """A join/heartbeat body that does not follow the protocol (the router answers 400)."""
 
 
 def _str(obj: dict, key: str, required: bool = True, limit: int = 512) -> str:
@@ -41,12 +39,16 @@ def _int(obj: dict, key: str, required: bool = True, minimum: int = 0) -> int | 
     return v
 
 
-def check_url(url: str) -> str:
-    parts = urlsplit(url)
+def check_url(url: str, what: str = '"public_url"') -> str:
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - raises ValueError for a port that is not a number in range
+    except ValueError:
+        raise ProtocolError(f"{what} must be an http(s) URL, got {url[:200]!r}") from None
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ProtocolError(f'"public_url" must be an http(s) URL, got {url!r}')
+        raise ProtocolError(f"{what} must be an http(s) URL, got {url[:200]!r}")
     if parts.query or parts.fragment:
-        raise ProtocolError('"public_url" must not carry a query or fragment')
+        raise ProtocolError(f"{what} must not carry a query or fragment")
     return url.rstrip("/")
 
 

@@ -8,10 +8,10 @@ which is how its code path is tested off a Mac). Every tier calls the same model
 
 from __future__ import annotations
 
-import os
 import platform
 from functools import lru_cache
 
+from larql_edge.config import backend_name
 from larql_edge.model.backend._base import Backend
 from larql_edge.model.backend._numpy import NumpyBackend
 
@@ -27,11 +27,9 @@ def _mlx_available() -> bool:
 
 
 def default_backend_name() -> str:
-    wanted = os.environ.get("LARQL_BACKEND", "").strip().lower()
-    if wanted in ("numpy", "mlx"):
-        return wanted
+    wanted = backend_name()
     if wanted:
-        raise ValueError(f"LARQL_BACKEND={wanted!r}: expected numpy or mlx")
+        return wanted
     native_apple = platform.system() == "Darwin" and platform.machine() == "arm64"
     return "mlx" if native_apple and _mlx_available() else "numpy"
 

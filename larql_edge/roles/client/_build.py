@@ -12,10 +12,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from larql_edge.tools.slicer.errors import VindexError
-from larql_edge.format.vindex import Vindex
-
 from larql_edge.config import Flags
+from larql_edge.errors import VindexError
+from larql_edge.format.vindex import Vindex
 from larql_edge.model.forward import Transformer
 
 
@@ -67,7 +66,15 @@ def build_remote(vx: Vindex, args: argparse.Namespace) -> Transformer:
     from larql_edge.model.backend import get_backend
     from larql_edge.model.forward import LocalFfn, load_attention
     from larql_edge.model.spec import ModelSpec
-    from larql_edge.roles.client.remote import RemoteEmbed, RemoteError, RemoteFfn, RemoteHead, Replicas, make_client, parse_targets
+    from larql_edge.roles.client.remote import (
+        RemoteEmbed,
+        RemoteError,
+        RemoteFfn,
+        RemoteHead,
+        Replicas,
+        make_client,
+        parse_targets,
+    )
 
     spec = ModelSpec.from_index(vx.index)
     be = get_backend()

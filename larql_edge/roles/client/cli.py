@@ -13,11 +13,9 @@ import math
 import sys
 import time
 
-from larql_edge.tools.slicer.cli import run_command
-from larql_edge.tools.slicer.errors import LarqlError
-
 from larql_edge.config import Flags
-from larql_edge.errors import AppError
+from larql_edge.console import run_command
+from larql_edge.errors import LarqlError
 from larql_edge.roles.client._build import add_model_flags, build_model
 from larql_edge.roles.client._stream import TextStream
 
@@ -106,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not args.prompt:
         parser.error("--prompt is required (or set LARQL_PROMPT)")
-    return run_command("larql", args, errors=(LarqlError, AppError))
+    return run_command("larql", args)
 
 
 if __name__ == "__main__":

@@ -18,21 +18,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from larql_edge.tools.slicer.errors import LarqlError
-
+from larql_edge.errors import RemoteError, WireError
 from larql_edge.format.layers import LayerRange
-from larql_edge.wire import WireError
-from larql_edge.wire import embed as embed_wire
-from larql_edge.wire import ffn as ffn_wire
 from larql_edge.service.h1 import Reply, TransportError, describe, error_text
 from larql_edge.service.h1_sync import HttpClient
+from larql_edge.wire import embed as embed_wire
+from larql_edge.wire import ffn as ffn_wire
 
 BACKOFF_FIRST_S = 0.1
 BACKOFF_MAX_S = 2.0
-
-
-class RemoteError(LarqlError):
-    """A remote tier could not answer (after retries), or answered something unusable."""
 
 
 @dataclass(frozen=True)

@@ -11,13 +11,9 @@ import asyncio
 import logging
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from sanic import Sanic
-
-from larql_edge.service.envelope import install_error_envelope
-from larql_edge.service.metrics import Metrics
 
 from larql_edge.roles.embed.banner import banner
 from larql_edge.roles.embed.batcher import LogitsBatcher
@@ -25,6 +21,10 @@ from larql_edge.roles.embed.config import EmbedConfig
 from larql_edge.roles.embed.openapi import openapi_spec
 from larql_edge.roles.embed.registry import ModelRegistry
 from larql_edge.roles.embed.routes import BLUEPRINTS
+from larql_edge.roles.embed.routes.service import ready, stats
+from larql_edge.service import Hooks, Metrics, make_app, pin_blas
+from larql_edge.service.identity import vindex_hash
+from larql_edge.service.membership import install_membership
 
 log = logging.getLogger("larql.embed")
 
@@ -86,61 +86,46 @@ class EmbedMetrics:
         return record
 
 
-def _limit_blas(threads: int) -> None:
-    # Oversubscribed BLAS threads are catastrophic on small machines (DESIGN.md §7): pin them.
-    from threadpoolctl import threadpool_limits
-
-    threadpool_limits(limits=threads)
-
-
 def _first_worker() -> bool:
     name = os.environ.get("SANIC_WORKER_NAME", "")
     return not name or name.endswith("-0-0")
 
 
 def create_app(cfg: EmbedConfig) -> Sanic:
-    app = Sanic(APP_NAME)
-    app.config.REQUEST_MAX_SIZE = cfg.limits.max_body
-    app.config.ACCESS_LOG = cfg.access_log
-    app.config.MOTD = False
+    registry = ModelRegistry(cfg)
+
+    def inflight() -> int:
+        return sum(m.batcher.pending for m in registry.models.values() if m.batcher is not None)
+
+    hooks = Hooks(ready=lambda: ready(registry), stats=stats, inflight=inflight, openapi=openapi_spec())
+    app = make_app(APP_NAME, "embed", hooks, max_body=cfg.limits.max_body, access_log=cfg.access_log)
     app.ctx.cfg = cfg
-    app.ctx.registry = registry = ModelRegistry(cfg)
-    app.ctx.metrics = metrics = Metrics("embed")
-    app.ctx.embed_metrics = em = EmbedMetrics(metrics)
-    app.ctx.openapi = openapi_spec()
-    install_error_envelope(app)
-    metrics.install(app)
+    app.ctx.registry = registry
+    app.ctx.embed_metrics = em = EmbedMetrics(app.ctx.metrics)
     for bp in BLUEPRINTS:
         app.blueprint(bp)
 
     @app.before_server_start
-    async def _setup(app_, loop=None):
-        _limit_blas(cfg.blas_threads)
-        # One compute thread: lm_head products run one at a time, off the event loop.
-        app_.ctx.compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lm-head")
+    async def _setup(app_):
+        pin_blas(cfg.blas_threads)
 
     @app.after_server_start
-    async def _load(app_, loop=None):
+    async def _load(app_):
         app_.ctx.loader = asyncio.get_running_loop().create_task(_load_models(app_, cfg, registry, em))
 
-    @app.before_server_stop
-    async def _teardown(app_, loop=None):
-        app_.ctx.compute.shutdown(wait=False, cancel_futures=True)
-
-    if cfg.grid and _first_worker():  # one worker joins: members are identified by public URL
-        _join_grid(app, cfg, registry)
+    if _first_worker():  # one worker joins: members are identified by public URL
+        _join_grid(app, cfg, registry, inflight)
     return app
 
 
-def _join_grid(app: Sanic, cfg: EmbedConfig, registry: ModelRegistry) -> None:
-    from larql_edge.service.identity import vindex_hash
-    from larql_edge.service.membership import install_membership
-    from larql_edge.format.vindex import Vindex
-
-    vx = Vindex.open(cfg.models[0].path)  # the default model is the one the grid serves
-    ident = {"model": vx.model, "num_layers": vx.num_layers, "hidden_size": vx.hidden_size, "vindex_hash": vindex_hash(vx)}
-    install_membership(app, cfg.grid["router_url"], cfg.grid["grid_key"], cfg.grid["public_url"], "embed",
-                       describe_fn=lambda: dict(ident, inflight=0), ready_fn=lambda: registry.ready)
+def _join_grid(app: Sanic, cfg: EmbedConfig, registry: ModelRegistry, inflight) -> None:
+    if cfg.grid is None:
+        return
+    m = next(iter(registry.models.values()))  # the default model is the one the grid serves
+    ident = {"model": m.vindex.model, "num_layers": m.vindex.num_layers, "hidden_size": m.vindex.hidden_size,
+             "vindex_hash": vindex_hash(m.vindex)}
+    install_membership(app, cfg.grid, "embed", describe_fn=lambda: dict(ident, inflight=inflight()),
+                       ready_fn=lambda: registry.ready)
 
 
 async def _load_models(app: Sanic, cfg: EmbedConfig, registry: ModelRegistry, em: EmbedMetrics) -> None:

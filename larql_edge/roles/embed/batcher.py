@@ -10,8 +10,8 @@ answers many requests for little more than the price of one.
   is gathered whole. Then the batch (at most ``max_batch`` rows) goes to the executor.
 - Requests arriving while a batch computes queue up and form the next batch as soon as it ends,
   without waiting again: under load the wait is never paid.
-- The product and every request's post-processing run in a one-thread executor, so the event loop
-  keeps serving embeddings and health checks meanwhile, and products never compete for BLAS.
+- The product and every request's post-processing run in the app's compute thread, so the event
+  loop keeps serving embeddings and health checks meanwhile, and products never compete for BLAS.
 """
 
 from __future__ import annotations
@@ -19,10 +19,11 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from concurrent.futures import Executor
 from typing import Any
 
 import numpy as np
+
+from larql_edge.service import Compute
 
 
 class LogitsBatcher:
@@ -31,7 +32,7 @@ class LogitsBatcher:
     def __init__(
         self,
         compute: Callable[[np.ndarray], np.ndarray],
-        executor: Executor,
+        executor: Compute,
         max_batch: int = 64,
         max_wait: float = 0.002,
         on_batch: Callable[[int, float], None] | None = None,
@@ -45,6 +46,7 @@ class LogitsBatcher:
         self.on_batch = on_batch
         self._queue: list[tuple[np.ndarray, Callable[[np.ndarray], Any], asyncio.Future]] = []
         self._runner: asyncio.Task | None = None
+        self._computing = 0
         self.batches = 0
         self.rows = 0
         self.largest = 0
@@ -71,13 +73,16 @@ class LogitsBatcher:
             if not batch:
                 continue
             t0 = time.perf_counter()
+            self._computing = len(batch)
             try:
-                results = await loop.run_in_executor(self.executor, self._compute_batch, batch)
+                results = await self.executor.run(self._compute_batch, batch)
             except Exception as e:  # the product itself failed: every caller of the batch hears it
                 for _, _, fut in batch:
                     if not fut.done():
                         fut.set_exception(e)
                 continue
+            finally:
+                self._computing = 0
             self.batches += 1
             self.rows += len(batch)
             self.largest = max(self.largest, len(batch))
@@ -112,6 +117,11 @@ class LogitsBatcher:
             except Exception as e:  # one caller's post-processing failing does not fail the others
                 out.append((False, e))
         return out
+
+    @property
+    def pending(self) -> int:
+        """Requests waiting for, or inside, an lm_head product (what heartbeats report as load)."""
+        return len(self._queue) + self._computing
 
     def stats(self) -> dict:
         return {

@@ -6,6 +6,8 @@ import os
 import re
 from dataclasses import dataclass, field
 
+from larql_edge.service.membership import GridSettings
+
 # Path segments the unprefixed API uses: a model id may not shadow them in /v1/{model_id}/...
 RESERVED_IDS = frozenset({"embed", "logits", "token", "stats", "health", "ready", "models", "metrics"})
 MODEL_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -42,7 +44,7 @@ class Limits:
 @dataclass(frozen=True)
 class EmbedConfig:
     models: tuple[ModelSource, ...]
-    host: str = "0.0.0.0"
+    host: str = "127.0.0.1"
     port: int = 8082
     workers: int = 1
     hot_cache: int = 5000
@@ -51,7 +53,7 @@ class EmbedConfig:
     embed_only: bool = False
     access_log: bool = False
     limits: Limits = field(default_factory=Limits)
-    grid: dict | None = field(default=None, repr=False)  # holds the grid key: never print or serialise it
+    grid: GridSettings | None = field(default=None, repr=False)  # holds the grid key: never print or serialise it
 
     @property
     def url(self) -> str:

@@ -25,11 +25,11 @@ from pathlib import Path
 
 import numpy as np
 
-from larql_edge.model.backend import Backend, get_backend
+from larql_edge.format.vindex import EMBEDDINGS, LM_HEAD_KEY, Vindex
 from larql_edge.model import ops
+from larql_edge.model.backend import Backend, get_backend
 from larql_edge.model.spec import ModelSpec
 from larql_edge.model.weights import final_norm, lm_head_matrix
-from larql_edge.format.vindex import EMBEDDINGS, Vindex
 
 log = logging.getLogger("larql.embed")
 
@@ -45,25 +45,19 @@ class ComputeCopy:
     nbytes: int
 
 
-def _source(vx: Vindex) -> tuple[Path, int]:
-    """The file and byte offset the lm_head is stored at (the embeddings when tied)."""
-    if vx.has_tensor("lm_head.weight"):
-        e = vx.manifest["lm_head.weight"]
-        return vx.path / e.file, e.offset
-    return vx.path / EMBEDDINGS, 0
+def _lm_head_key(vx: Vindex) -> tuple[str | None, str]:
+    """The manifest key of the lm_head (None: the embedding table, when tied) and its file."""
+    if vx.has_tensor(LM_HEAD_KEY):
+        return LM_HEAD_KEY, vx.manifest[LM_HEAD_KEY].file
+    return None, EMBEDDINGS
 
 
-def _f32_blocks(path: Path, offset: int, rows: int, cols: int):
-    """f16 rows of a file as f32 blocks, read with plain reads: converting through the memory map
-    would leave the whole f16 table resident in this process."""
-    with open(path, "rb") as f:
-        f.seek(offset)
-        for i in range(0, rows, _CONVERT_ROWS):
-            n = min(_CONVERT_ROWS, rows - i)
-            buf = f.read(n * cols * 2)
-            if len(buf) != n * cols * 2:
-                raise OSError(f"{path}: truncated while reading the lm_head")
-            yield i, np.frombuffer(buf, dtype="<f2").reshape(n, cols).astype(np.float32)
+def _f32_blocks(vx: Vindex, key: str | None, rows: int):
+    """The lm_head as f32 blocks read with ``pread`` (`Vindex.read_rows`): converting through the
+    memory map would leave the whole f16 table resident in this process."""
+    for i in range(0, rows, _CONVERT_ROWS):
+        n = min(_CONVERT_ROWS, rows - i)
+        yield i, vx.read_rows(key, i, n).astype(np.float32)
 
 
 def compute_copy(vx: Vindex, cache_dir: Path | None) -> ComputeCopy:
@@ -73,22 +67,22 @@ def compute_copy(vx: Vindex, cache_dir: Path | None) -> ComputeCopy:
     nbytes = rows * cols * 4
     if src.dtype == np.float32:
         return ComputeCopy(src, "mmap (f32 source)", None, nbytes)
-    path, offset = _source(vx)
-    sha = vx.checksums.get(path.name)
+    key, file = _lm_head_key(vx)
+    sha = vx.checksums.get(file)
     if cache_dir is not None and sha:
         try:
-            out = _shared_copy(path, offset, rows, cols, Path(cache_dir), sha)
+            out = _shared_copy(vx, key, rows, cols, Path(cache_dir), sha)
             m = np.memmap(out, dtype="<f4", mode="r", shape=(rows, cols))
             return ComputeCopy(m, "mmap (shared f32 copy)", str(out), nbytes)
         except OSError as e:
             log.warning("lm_head cache %s unusable (%s); keeping the f32 copy in memory", cache_dir, e)
     mat = np.empty((rows, cols), dtype=np.float32)
-    for i, block in _f32_blocks(path, offset, rows, cols):
+    for i, block in _f32_blocks(vx, key, rows):
         mat[i : i + len(block)] = block
     return ComputeCopy(mat, "memory (f32 copy)", None, nbytes)
 
 
-def _shared_copy(src: Path, offset: int, rows: int, cols: int, folder: Path, sha: str) -> Path:
+def _shared_copy(vx: Vindex, key: str | None, rows: int, cols: int, folder: Path, sha: str) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{sha}-{rows}x{cols}.f32"
     want = rows * cols * 4
@@ -102,7 +96,7 @@ def _shared_copy(src: Path, offset: int, rows: int, cols: int, folder: Path, sha
         tmp = folder / f".{path.name}.{os.getpid()}.tmp"
         try:
             with open(tmp, "wb") as f:
-                for _, block in _f32_blocks(src, offset, rows, cols):
+                for _, block in _f32_blocks(vx, key, rows):
                     f.write(block.astype("<f4", copy=False).tobytes())
             os.replace(tmp, path)
         finally:

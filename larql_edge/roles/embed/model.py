@@ -1,8 +1,8 @@
 """One served model: the vindex files the embed server reads, loaded into store, head and tokenizer.
 
-The server needs only the ``embed`` preset of a vindex (fixed with the slicer): ``index.json``,
-``embeddings.bin``, ``tokenizer.json``, ``weight_manifest.json``, ``norms.bin`` (of which it reads
-``norm.weight`` alone) and ``lm_head.bin`` when the model is untied. `check_files` says what is
+The server needs only the ``embed`` preset of a vindex (`larql_edge.format.presets`): embeddings,
+tokenizer, manifest and norms (of which it reads ``norm.weight`` alone), and the lm_head when the
+model is untied. `check_files` says what is
 missing before anything binds a port; `ServedModel.load` does the slow part (tokenizer parse,
 lm_head compute copy, warm-up) after the server listens, so ``/v1/ready`` can answer 503 meanwhile.
 """
@@ -13,10 +13,9 @@ import logging
 import time
 from pathlib import Path
 
-from larql_edge.model.spec import ModelSpec
-from larql_edge.tools.slicer.errors import VindexError
+from larql_edge.errors import VindexError
 from larql_edge.format.vindex import EMBEDDINGS, MANIFEST, TOKENIZER, Vindex, sha256_file
-
+from larql_edge.model.spec import ModelSpec
 from larql_edge.roles.embed.config import ModelSource
 from larql_edge.roles.embed.head import LogitsHead
 from larql_edge.roles.embed.store import EmbeddingStore
@@ -24,19 +23,16 @@ from larql_edge.roles.embed.store import EmbeddingStore
 log = logging.getLogger("larql.embed")
 
 MODE = "embed-service"
-EMBED_PRESET_FILES = ("index.json", EMBEDDINGS, TOKENIZER, MANIFEST, "norms.bin", "lm_head.bin (untied models)")
-
-
 def check_files(vx: Vindex) -> list[str]:
     """Problems that keep ``vx`` from serving every embed-server endpoint (empty when it can)."""
     problems: list[str] = []
-    expected = vx.vocab_size * vx.hidden_size
     if not vx.has(EMBEDDINGS):
         problems.append(f"missing {EMBEDDINGS}")
     else:
-        size = (vx.path / EMBEDDINGS).stat().st_size
-        if size not in (2 * expected, 4 * expected):
-            problems.append(f"{EMBEDDINGS}: {size} bytes fits neither f16 nor f32 [{vx.vocab_size}, {vx.hidden_size}]")
+        try:
+            vx.embeddings_dtype()
+        except VindexError as e:
+            problems.append(str(e))
     if not vx.has(TOKENIZER):
         problems.append(f"missing {TOKENIZER}")
     try:
@@ -143,7 +139,7 @@ class ServedModel:
             "vocab_size": self.vocab_size,
             "embed_size_gb": round(self.embed_nbytes / 1e9, 3),
             "embeddings": {
-                "dtype": "f16" if self.embed_nbytes == 2 * self.vocab_size * self.hidden_size else "f32",
+                "dtype": "f16" if self.vindex.embeddings_dtype().itemsize == 2 else "f32",
                 "storage": "mmap",
                 "bytes": self.embed_nbytes,
                 "embed_scale": self.spec.embed_scale,

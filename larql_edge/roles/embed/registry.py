@@ -11,7 +11,6 @@ import logging
 from pathlib import Path
 
 from larql_edge.errors import NotFound, ServiceUnavailable
-
 from larql_edge.roles.embed.config import EmbedConfig
 from larql_edge.roles.embed.model import ServedModel
 

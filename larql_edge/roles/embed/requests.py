@@ -1,8 +1,9 @@
-"""Reading requests: content types, JSON bodies, Accept negotiation and the validation of values.
+"""Reading embed-server requests: Accept negotiation and the validation of values.
 
-Everything here raises the typed errors of `larql_edge.errors`, so every bad input leaves as a 4xx with
-``{"error": ...}``: 415 for a body that is neither JSON nor the binary type, 400 for malformed or
-invalid values, 406 for an Accept nothing can satisfy, 413 for more than a published limit.
+Content types and JSON bodies are read by the service toolkit (`larql_edge.service`), the same in
+every server. Everything here raises the typed errors of `larql_edge.errors`, so every bad input
+leaves as a 4xx with ``{"error": ...}``: 400 for malformed or invalid values, 406 for an Accept
+nothing can satisfy, 413 for more than a published limit.
 """
 
 from __future__ import annotations
@@ -13,84 +14,26 @@ import re
 
 import numpy as np
 
-from larql_edge.errors import BadRequest, NotAcceptable, PayloadTooLarge, UnsupportedMediaType
+from larql_edge.errors import BadRequest, NotAcceptable, PayloadTooLarge
 from larql_edge.wire import BINARY, JSON
+from larql_edge.wire.numbers import finite_f32, float_vector
 
 _DIGITS = re.compile(r"^[0-9]{1,10}$")
-
-
-# -- bodies ----------------------------------------------------------------------------------------
-
-
-def body_kind(request) -> str:
-    """``"json"`` or ``"binary"`` from the Content-Type; anything else is a 415."""
-    ctype = (request.headers.get("content-type") or "").split(";", 1)[0].strip().lower()
-    if ctype == JSON:
-        return "json"
-    if ctype == BINARY:
-        return "binary"
-    shown = ctype or "none"
-    raise UnsupportedMediaType(f"Content-Type {shown!r}: send {JSON} or {BINARY}")
-
-
-def json_object(request) -> dict:
-    try:
-        obj = json.loads(request.body or b"")
-    except (ValueError, UnicodeDecodeError) as e:
-        raise BadRequest(f"malformed JSON body ({e})") from None
-    if not isinstance(obj, dict):
-        raise BadRequest("the JSON body must be an object")
-    return obj
 
 
 # -- Accept ----------------------------------------------------------------------------------------
 
 
-def _accept_q(header: str, media: str) -> float:
-    """The q-value ``header`` gives ``media`` (most specific match wins; absent -> 0)."""
-    best, best_spec = 0.0, -1
-    main = media.split("/", 1)[0]
-    for part in header.split(","):
-        fields = part.strip().split(";")
-        rng = fields[0].strip().lower()
-        if not rng:
-            continue
-        if rng == media:
-            spec = 2
-        elif rng == f"{main}/*":
-            spec = 1
-        elif rng == "*/*":
-            spec = 0
-        else:
-            continue
-        q = 1.0
-        for p in fields[1:]:
-            k, _, v = p.strip().partition("=")
-            if k.strip().lower() == "q":
-                try:
-                    q = float(v)
-                except ValueError:
-                    q = 0.0
-        if spec > best_spec:
-            best, best_spec = q, spec
-    return best
-
-
-def negotiate(request, default: str, other: str) -> str:
-    """``default`` unless Accept prefers ``other`` (ties and a missing Accept go to ``default``)."""
-    accept = request.headers.get("accept")
-    if not accept:
-        return default
-    qd, qo = _accept_q(accept, default), _accept_q(accept, other)
-    if qd <= 0 and qo <= 0:
-        raise NotAcceptable(f"Accept {accept!r}: this resource is {default} or {other}")
-    return other if qo > qd else default
-
-
 def wants_binary(request, default_binary: bool) -> bool:
-    if default_binary:
-        return negotiate(request, BINARY, JSON) == BINARY
-    return negotiate(request, JSON, BINARY) == BINARY
+    """Whether to answer ``f32`` bytes rather than JSON: the default unless Accept prefers the other
+    (equal preference and a missing Accept go to the default; nothing acceptable is a 406)."""
+    default, other = (BINARY, JSON) if default_binary else (JSON, BINARY)
+    if not request.headers.get("accept"):
+        return default_binary
+    m = request.accept.match(default, other)
+    if not m:
+        raise NotAcceptable(f"Accept {request.headers.get('accept')!r}: this resource is {default} or {other}")
+    return str(m) == BINARY
 
 
 # -- values ----------------------------------------------------------------------------------------
@@ -142,22 +85,11 @@ def query_ids(text: str | None) -> np.ndarray:
 
 def residual(value, hidden: int) -> np.ndarray:
     """A JSON residual: a flat list of ``hidden`` finite numbers, as float32."""
-    if not isinstance(value, list):
-        raise BadRequest(f"residual must be a list of {hidden} numbers")
-    if len(value) != hidden:
-        raise BadRequest(f"residual has {len(value)} values; the hidden size is {hidden}")
-    arr = np.array(value)
-    if arr.dtype.kind not in "if" or arr.shape != (hidden,):
-        raise BadRequest("residual must hold numbers only")
-    with np.errstate(over="ignore"):  # beyond float32 range becomes inf, refused just below
-        x = arr.astype(np.float32)
-    return finite(x)
+    return float_vector(value, "residual", hidden)
 
 
 def finite(x: np.ndarray, what: str = "residual") -> np.ndarray:
-    if not np.isfinite(x).all():
-        raise BadRequest(f"{what} contains NaN or Inf (or a value beyond float32 range)")
-    return x
+    return finite_f32(x, what)
 
 
 def int_param(value, name: str, default: int, lo: int, hi: int) -> int:

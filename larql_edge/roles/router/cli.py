@@ -1,7 +1,8 @@
 """larql-router --grid-key KEY [--shards "0-8=URL,9-17=URL"] [--embed URL]: the grid's front door.
 
 Members (larql-ffn, larql-embed) join with ``--join ROUTER_URL --grid-key KEY``; ``--shards`` and
-``--embed`` add static members that are probed instead of heartbeating.
+``--embed`` add static members that are probed instead of heartbeating. Several routers can serve
+one grid: members join all of them, clients fail over between them.
 """
 
 from __future__ import annotations
@@ -11,9 +12,10 @@ import logging
 import sys
 
 from larql_edge.config import Flags
+from larql_edge.errors import LarqlError
 from larql_edge.format.layers import LayerRange
-from larql_edge.wire.grid import ProtocolError, check_url
-from larql_edge.service.serving import add_server_flags, pin_blas, run, setup_logging
+from larql_edge.service import add_server_flags, pin_blas, serve, setup_logging
+from larql_edge.wire.grid import check_url
 
 log = logging.getLogger("larql.router")
 
@@ -26,22 +28,26 @@ def parse_shards(text: str) -> list[tuple[LayerRange | None, str]]:
         if not sep:
             rng, url = "", part
         try:
-            out.append((LayerRange.parse(rng) if rng else None, check_url(url.strip())))
-        except ProtocolError as e:
-            raise ValueError(f"--shards entry {part!r}: {str(e).replace(chr(34) + 'public_url' + chr(34), 'the URL')}") from None
+            out.append((LayerRange.parse(rng) if rng else None, check_url(url.strip(), "the URL")))
+        except (ValueError, LarqlError) as e:
+            raise ValueError(f"--shards entry {part!r}: {e}") from None
     return out
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from larql_edge.roles.router.app import Limits
+
     p = argparse.ArgumentParser(prog="larql-router",
                                 description="Route FFN layers to shards and proxy the embed server; members join with the grid key.")
     f = Flags(p)
+    d = Limits()
     f.add("--grid-key", default=None, secret=True, metavar="KEY", help="shared key members must present to join (required)")
     f.add("--shards", default="", metavar="SPEC", help='static FFN shards: "0-8=URL,9-17=URL" (a bare URL serves all layers)')
     f.add("--embed", default="", metavar="URL", help="static embed server URL(s), comma-separated")
     f.add("--heartbeat-interval", type=float, default=2.0, help="seconds between member heartbeats")
     f.add("--evict-after", type=float, default=None, help="evict a member silent this long (default: 3 heartbeat intervals)")
-    f.add("--upstream-timeout", type=float, default=60.0, help="seconds to wait for a member's reply")
+    f.add("--upstream-timeout", type=float, default=d.upstream_timeout, help="seconds to wait for a member's reply")
+    f.add("--max-body", type=int, default=d.max_body, help="largest walk-ffn request body in bytes (413 above)")
     add_server_flags(f, port=9090)
     return p
 
@@ -51,28 +57,30 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     setup_logging(args.log_level)
     if not args.grid_key:
-        parser.error("--grid-key is required (or set LARQL_GRID_KEY)")
+        parser.error("--grid-key is required (or --grid-key-file, LARQL_GRID_KEY, LARQL_GRID_KEY_FILE)")
     if args.heartbeat_interval <= 0 or (args.evict_after is not None and args.evict_after <= 0):
         parser.error("--heartbeat-interval and --evict-after must be positive")
+    if args.upstream_timeout <= 0 or args.max_body < 1:
+        parser.error("--upstream-timeout and --max-body must be positive")
     try:
         shards = parse_shards(args.shards)
-        embeds = [check_url(u.strip()) for u in args.embed.split(",") if u.strip()]
-    except (ValueError, ProtocolError) as e:
+        embeds = [check_url(u.strip(), "--embed") for u in args.embed.split(",") if u.strip()]
+    except (ValueError, LarqlError) as e:
         parser.error(str(e))
     pin_blas(args.blas_threads)
 
+    from larql_edge.roles.router.app import Limits, create_app
     from larql_edge.roles.router.registry import Registry
-    from larql_edge.roles.router.server import create_app
 
     registry = Registry(heartbeat_interval=args.heartbeat_interval, evict_after=args.evict_after)
     for rng, url in shards:
         registry.add_static("ffn", url, rng)
     for url in embeds:
         registry.add_static("embed", url)
-    app = create_app(registry, args.grid_key, upstream_timeout=args.upstream_timeout)
+    limits = Limits(max_body=args.max_body, upstream_timeout=args.upstream_timeout)
     log.info("larql-router listening on http://%s:%d (%d static shards, %d static embed)",
              args.host, args.port, len(shards), len(embeds))
-    run(app, args.host, args.port)
+    serve(lambda: create_app(registry, args.grid_key, limits), args.host, args.port, access_log=args.access_log)
     return 0
 
 

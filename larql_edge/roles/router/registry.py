@@ -14,19 +14,13 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from larql_edge.errors import AppError
+from larql_edge.errors import Conflict
 from larql_edge.format.layers import LayerRange, gaps
 from larql_edge.wire.grid import Announce, Load
 
 COOLDOWN_FIRST_S = 0.5
 COOLDOWN_MAX_S = 8.0
 EMA = 0.2
-
-
-class Conflict(AppError):
-    """A member that does not fit the grid (another model, another width)."""
-
-    status, kind = 409, "conflict"
 
 
 @dataclass
@@ -217,13 +211,22 @@ class Registry:
         ns = [m.num_layers for m in self.members.values() if m.num_layers]
         return max(ns) if ns else None
 
+    def _replicas(self, now: float) -> dict[int, int]:
+        n = self.num_layers or 0
+        return {layer: sum(1 for m in self.members.values() if m.serves(layer) and m.available(now)) for layer in range(n)}
+
+    def gaps(self) -> list[LayerRange]:
+        """The runs of layers no live FFN member serves (empty while the model is unknown)."""
+        n = self.num_layers
+        if n is None:
+            return []
+        replicas = self._replicas(self.clock())
+        return gaps({layer for layer, c in replicas.items() if c > 0}, n)
+
     def view(self) -> dict:
         now = self.clock()
         n = self.num_layers
-        replicas = {}
-        if n is not None:
-            for layer in range(n):
-                replicas[layer] = sum(1 for m in self.members.values() if m.serves(layer) and m.available(now))
+        replicas = self._replicas(now)
         coverage, run = [], None
         for layer in range(n or 0):
             c = replicas[layer]
@@ -232,8 +235,7 @@ class Registry:
             else:
                 run = {"start": layer, "end": layer, "replicas": c}
                 coverage.append(run)
-        served = {layer for layer, c in replicas.items() if c > 0}
-        holes = [str(g) for g in gaps(served, n)] if n is not None else []
+        holes = [str(g) for g in gaps({layer for layer, c in replicas.items() if c > 0}, n)] if n is not None else []
         models = sorted({m.model for m in self.members.values() if m.model})
         embeds = [m for m in self.members.values() if m.capability == "embed" and m.available(now)]
         return {

@@ -10,9 +10,9 @@ from __future__ import annotations
 import logging
 import time
 
+from larql_edge.roles.router.registry import Member, Registry
 from larql_edge.service.h1 import Reply, TransportError, describe, error_text
 from larql_edge.service.h1_async import H1Pool
-from larql_edge.roles.router.registry import Member, Registry
 
 log = logging.getLogger("larql.router")
 
@@ -33,6 +33,7 @@ class Upstream:
         # Connect fails fast on loopback/LAN (refused or unreachable); reads may take a long prefill.
         self.pool = H1Pool(timeout=timeout, connect_timeout=min(2.0, timeout))
         self.metrics = metrics
+        self.inflight = 0  # requests to members awaiting their reply (larql_router_inflight)
 
     async def close(self) -> None:
         await self.pool.aclose()
@@ -42,6 +43,7 @@ class Upstream:
         """One request to one member; raises MemberFailed for a failure that another replica may not have."""
         url = m.url + path + (f"?{params}" if params else "")
         m.inflight += 1
+        self.inflight += 1
         t0 = time.perf_counter()
         try:
             r = await self.pool.request(method, url, content=content, headers=headers)
@@ -50,6 +52,7 @@ class Upstream:
             raise MemberFailed(m, f"{m.url}: {describe(e)}") from None
         finally:
             m.inflight -= 1
+            self.inflight -= 1
         dt = time.perf_counter() - t0
         if self.metrics is not None:
             self.metrics.upstream.labels(m.capability).observe(dt)

@@ -14,18 +14,19 @@ import json as jsonlib
 import time
 from collections.abc import Awaitable, Callable, Sequence
 
+from sanic import Blueprint
 from sanic.request import Request
 from sanic.response import HTTPResponse, json, raw
 
-from larql_edge.errors import BadRequest, ServiceUnavailable, UnsupportedMediaType
-from larql_edge.wire import ffn as wire
-from larql_edge.service.h1 import Reply
+from larql_edge.errors import BadRequest, ServiceUnavailable
 from larql_edge.roles.router.registry import Member, Registry
 from larql_edge.roles.router.upstream import MemberFailed, Upstream, forward_headers
+from larql_edge.service import JSON_KIND, body_kind, parse_json
+from larql_edge.service.h1 import Reply
+from larql_edge.wire import ffn as wire
 
 PATH = "/v1/walk-ffn"
 MAX_ROUNDS = 4  # re-routing rounds for one request: each round excludes the members that failed
-BINARY_TYPES = ("", wire.CONTENT_TYPE, "application/octet-stream")
 
 
 class Passthrough(Exception):
@@ -90,96 +91,98 @@ async def dispatch(registry: Registry, layers: Sequence[int], send_group: SendGr
     raise _no_shard(registry, sorted({layers[p] for p in pending}), reasons)
 
 
-def install(app, registry: Registry, upstream: Upstream, metrics=None) -> None:
-    @app.post(PATH)
-    async def walk_ffn(request: Request) -> HTTPResponse:
-        ctype = (request.headers.get("content-type") or "").split(";")[0].strip().lower()
-        body = request.body or b""
-        headers = forward_headers(request.headers)
+bp = Blueprint("walk")
+
+
+async def _post(upstream: Upstream, m: Member, content: bytes, headers: dict) -> Reply:
+    r = await upstream.send(m, "POST", PATH, content=content, headers=headers)
+    if r.status_code >= 400:
+        raise Passthrough(r)
+    return r
+
+
+@bp.post(PATH, name="walk_ffn")
+async def walk_ffn(request: Request) -> HTTPResponse:
+    ctx = request.app.ctx
+    body = request.body or b""
+    headers = forward_headers(request.headers)
+    try:
+        if body_kind(request) == JSON_KIND:
+            return await _walk_json(ctx, body, headers)
+        if wire.is_batch_body(body):
+            return await _walk_batch(ctx, body, headers)
+        return await _walk_single(ctx, body, headers)
+    except Passthrough as p:
+        return _passthrough(p.response)
+
+
+async def _walk_single(ctx, body: bytes, headers: dict) -> HTTPResponse:
+    registry, upstream = ctx.registry, ctx.upstream
+    layer = wire.single_layer_of(body)
+    _check_layers(registry, [layer])
+
+    async def send(m: Member, pos: list[int]) -> list:
+        return [await _post(upstream, m, body, headers)]
+
+    r = (await dispatch(registry, [layer], send, ctx.metrics))[0]
+    return raw(r.content, content_type=r.headers.get("content-type", wire.CONTENT_TYPE))
+
+
+async def _walk_batch(ctx, body: bytes, headers: dict) -> HTTPResponse:
+    registry, upstream = ctx.registry, ctx.upstream
+    t0 = time.perf_counter()
+    layers, tail = wire.split_batch_request(body)
+    _check_layers(registry, layers)
+    f16_box: list[bool] = []
+
+    async def send(m: Member, pos: list[int]) -> list:
+        mine = [layers[p] for p in pos]
+        content = body if len(mine) == len(layers) else wire.batch_request_from_tail(mine, tail)
+        r = await _post(upstream, m, content, headers)
+        f16 = r.headers.get("content-type", "").startswith(wire.CONTENT_TYPE_F16)
         try:
-            if ctype == "application/json":
-                return await _walk_json(body, headers)
-            if ctype not in BINARY_TYPES:
-                raise UnsupportedMediaType(f"send {wire.CONTENT_TYPE} (binary) or application/json, not {ctype!r}")
-            if wire.is_batch_body(body):
-                return await _walk_batch(body, headers)
-            return await _walk_single(body, headers)
-        except Passthrough as p:
-            return _passthrough(p.response)
+            items = list(wire.iter_batch_items(r.content, f16))
         except wire.WireError as e:
-            raise BadRequest(str(e)) from None
+            raise MemberFailed(m, f"{m.url}: malformed batch reply ({e})") from None
+        if [it[0] for it in items] != mine:
+            raise MemberFailed(m, f"{m.url}: batch reply does not answer layers {mine}")
+        f16_box.append(f16)
+        return items
 
-    async def _post(m: Member, content: bytes, headers: dict) -> Reply:
-        r = await upstream.send(m, "POST", PATH, content=content, headers=headers)
-        if r.status_code >= 400:
-            raise Passthrough(r)
-        return r
+    got = await dispatch(registry, layers, send, ctx.metrics)
+    f16 = bool(f16_box and f16_box[0])
+    merged = wire.frame_batch([got[p] for p in range(len(layers))], (time.perf_counter() - t0) * 1e3, f16)
+    return raw(merged, content_type=wire.reply_content_type(f16))
 
-    async def _walk_single(body: bytes, headers: dict) -> HTTPResponse:
-        layer = wire.single_layer_of(body)
-        _check_layers(registry, [layer])
 
-        async def send(m: Member, pos: list[int]) -> list:
-            return [await _post(m, body, headers)]
+async def _walk_json(ctx, body: bytes, headers: dict) -> HTTPResponse:
+    registry, upstream = ctx.registry, ctx.upstream
+    t0 = time.perf_counter()
+    obj = parse_json(body)
+    if not isinstance(obj, dict) or ("layer" in obj) == ("layers" in obj):
+        raise BadRequest('the JSON body must be an object with exactly one of "layer" or "layers"')
+    batch = "layers" in obj
+    layers = obj["layers"] if batch else [obj["layer"]]
+    if (not isinstance(layers, list) or not layers or len(layers) > wire.MAX_BATCH_LAYERS
+            or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in layers)):
+        raise BadRequest('"layer"/"layers" must be non-negative layer numbers')
+    _check_layers(registry, layers)
 
-        r = (await dispatch(registry, [layer], send, metrics))[0]
-        return raw(r.content, content_type=r.headers.get("content-type", wire.CONTENT_TYPE))
-
-    async def _walk_batch(body: bytes, headers: dict) -> HTTPResponse:
-        t0 = time.perf_counter()
-        layers, tail = wire.split_batch_request(body)
-        _check_layers(registry, layers)
-        f16_box: list[bool] = []
-
-        async def send(m: Member, pos: list[int]) -> list:
-            mine = [layers[p] for p in pos]
-            content = body if len(mine) == len(layers) else wire.batch_request_from_tail(mine, tail)
-            r = await _post(m, content, headers)
-            f16 = r.headers.get("content-type", "").startswith(wire.CONTENT_TYPE_F16)
-            try:
-                items = list(wire.iter_batch_items(r.content, f16))
-            except wire.WireError as e:
-                raise MemberFailed(m, f"{m.url}: malformed batch reply ({e})") from None
-            if [it[0] for it in items] != mine:
-                raise MemberFailed(m, f"{m.url}: batch reply does not answer layers {mine}")
-            f16_box.append(f16)
-            return items
-
-        got = await dispatch(registry, layers, send, metrics)
-        f16 = bool(f16_box and f16_box[0])
-        merged = wire.frame_batch([got[p] for p in range(len(layers))], (time.perf_counter() - t0) * 1e3, f16)
-        return raw(merged, content_type=wire.reply_content_type(f16))
-
-    async def _walk_json(body: bytes, headers: dict) -> HTTPResponse:
-        t0 = time.perf_counter()
+    async def send(m: Member, pos: list[int]) -> list:
+        mine = [layers[p] for p in pos]
+        sub = dict(obj, layers=mine) if batch else obj
+        r = await _post(upstream, m, jsonlib.dumps(sub).encode(), headers)
         try:
-            obj = jsonlib.loads(body or b"")
-        except (ValueError, UnicodeDecodeError):
-            raise BadRequest("the body is not valid JSON") from None
-        if not isinstance(obj, dict) or ("layer" in obj) == ("layers" in obj):
-            raise BadRequest('the JSON body must be an object with exactly one of "layer" or "layers"')
-        batch = "layers" in obj
-        layers = obj["layers"] if batch else [obj["layer"]]
-        if (not isinstance(layers, list) or not layers or len(layers) > wire.MAX_BATCH_LAYERS
-                or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in layers)):
-            raise BadRequest('"layer"/"layers" must be non-negative layer numbers')
-        _check_layers(registry, layers)
+            reply = r.json()
+            items = reply["results"] if batch else [reply]
+            if [it["layer"] for it in items] != mine:
+                raise ValueError("layers differ")
+        except (ValueError, KeyError, TypeError) as e:
+            raise MemberFailed(m, f"{m.url}: malformed JSON reply ({e})") from None
+        return items
 
-        async def send(m: Member, pos: list[int]) -> list:
-            mine = [layers[p] for p in pos]
-            sub = dict(obj, layers=mine) if batch else obj
-            r = await _post(m, jsonlib.dumps(sub).encode(), headers)
-            try:
-                reply = r.json()
-                items = reply["results"] if batch else [reply]
-                if [it["layer"] for it in items] != mine:
-                    raise ValueError("layers differ")
-            except (ValueError, KeyError, TypeError) as e:
-                raise MemberFailed(m, f"{m.url}: malformed JSON reply ({e})") from None
-            return items
-
-        got = await dispatch(registry, layers, send, metrics)
-        ms = round((time.perf_counter() - t0) * 1e3, 3)
-        if batch:
-            return json({"results": [got[p] for p in range(len(layers))], "latency_ms": ms})
-        return json(got[0])
+    got = await dispatch(registry, layers, send, ctx.metrics)
+    ms = round((time.perf_counter() - t0) * 1e3, 3)
+    if batch:
+        return json({"results": [got[p] for p in range(len(layers))], "latency_ms": ms})
+    return json(got[0])

@@ -18,18 +18,14 @@ import sys
 import time
 from pathlib import Path
 
-from larql_edge.tools.slicer.cli import run_command
-from larql_edge.tools.slicer.errors import LarqlError
-
 from larql_edge.config import Flags
+from larql_edge.console import run_command
+from larql_edge.errors import LarqlError
 from larql_edge.format.layers import split_even
+from larql_edge.format.presets import ROLE_PRESETS
 from larql_edge.tools.grid.supervisor import Supervisor, pick_ports, role_env
 
 ROLES = ("embed", "ffn", "client")
-
-
-# The slicer preset each role runs from (DESIGN.md §1: the embed preset serves logits too).
-ROLE_PRESETS = {"embed": "embed", "ffn": "server", "client": "attn"}
 
 
 def role_vindexes(model: str, vindex: str | None, log=print) -> dict[str, Path]:
@@ -89,7 +85,7 @@ def up_command(args: argparse.Namespace) -> int:
     url = lambda port: f"http://{host}:{port}"  # noqa: E731
     router_url = url(router_port)
 
-    from larql_edge.tools.slicer.cache import cache_dir
+    from larql_edge.config import cache_dir
 
     log_dir = Path(args.log_dir) if args.log_dir else cache_dir() / "grid-logs" / time.strftime("%Y%m%d-%H%M%S")
     blas = str(args.blas_threads)

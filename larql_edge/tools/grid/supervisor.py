@@ -1,9 +1,11 @@
-"""Local processes of a grid (`larql-grid up`): start, wait until ready, watch, stop cleanly.
+"""Local processes of a grid: start, wait until ready, watch, stop cleanly. The one process helper of
+larql-edge: `larql-grid up`, the tests and the benchmarks all start their servers through it.
 
 Each role runs in its own session (process group), so Ctrl-C at the terminal reaches only the
 supervisor, which then stops the roles in order (members first, so they leave the router cleanly;
-the router last) and kills whatever does not stop in time. Secrets go through the environment,
-never argv (argv is visible to every user of the machine through ps).
+the router last) and kills whatever does not stop in time. On Linux a role also gets SIGTERM if
+the supervisor dies, even by SIGKILL. Secrets go through the environment, never argv (argv is
+visible to every user of the machine through ps).
 """
 
 from __future__ import annotations
@@ -31,6 +33,14 @@ def role_env(base: dict[str, str], **extra: str) -> dict[str, str]:
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)  # each role keeps its own metrics
     env.update(extra)
     return env
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port the kernel says is free now (another process may take it before we bind: callers
+    that start a server on it retry on 'address already in use')."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
 
 
 def port_free(host: str, port: int) -> bool:
@@ -79,29 +89,74 @@ class Role:
     def pid(self) -> int | None:
         return self.popen.pid if self.popen else None
 
+    @property
+    def port(self) -> int:
+        return int(self.url.rsplit(":", 1)[1])
+
     def running(self) -> bool:
         return self.popen is not None and self.popen.poll() is None
 
-    def log_tail(self, n: int = 20) -> str:
+    def log(self) -> str:
         try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+            return self.log_path.read_text(errors="replace")
         except OSError:
             return ""
+
+    def log_tail(self, n: int = 20) -> str:
+        return "\n".join(self.log().splitlines()[-n:])
+
+    def wait_ready(self, timeout: float = 60.0, path: str = "/v1/ready") -> None:
+        """Until ``path`` answers 200; raises (with the log's tail) if the role exits or time runs out."""
+        deadline = time.monotonic() + timeout
+        with httpx.Client(timeout=2.0) as client:
+            while True:
+                if not self.running():
+                    code = self.popen.returncode if self.popen else None
+                    raise RuntimeError(f"{self.name} exited (code {code}) before it was ready:\n{self.log_tail(40)}")
+                try:
+                    if client.get(self.url + path).status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{self.name} not ready after {timeout:g}s:\n{self.log_tail(40)}")
+                time.sleep(0.1)
+
+    def send_signal(self, sig: int) -> None:
+        """Send ``sig`` to the role's process group (SIGSTOP freezes it, SIGCONT thaws it)."""
+        if self.popen is not None and self.popen.poll() is None:
+            _signal_group(self.popen, sig)
+
+    def kill(self, sig: int = signal.SIGKILL, wait: float = 10.0) -> None:
+        """Stop the role with ``sig`` (hard by default: a crash, not a clean stop) and reap it."""
+        if self.popen is None:
+            return
+        self.send_signal(sig)
+        try:
+            self.popen.wait(timeout=wait)
+        except subprocess.TimeoutExpired:
+            _signal_group(self.popen, signal.SIGKILL)
+            self.popen.wait(timeout=5)
+        _signal_group(self.popen, signal.SIGKILL)  # a role's own children (workers) share its group
+
+    def stop(self, grace: float = STOP_GRACE_S) -> None:
+        """SIGTERM (a clean stop: members leave the grid), SIGKILL after ``grace``."""
+        self.kill(signal.SIGTERM, wait=grace)
 
 
 class Supervisor:
     def __init__(self, log_dir: Path, env: dict[str, str]):
-        self.log_dir = log_dir
+        self.log_dir = Path(log_dir)
         self.env = env
         self.roles: list[Role] = []
-        log_dir.mkdir(parents=True, exist_ok=True)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
 
-    def start(self, name: str, argv: list[str], url: str, **info) -> Role:
+    def start(self, name: str, argv: list[str], url: str, env: dict[str, str] | None = None, **info) -> Role:
         role = Role(name, argv, url, self.log_dir / f"{name}.log", info=info)
         log = open(role.log_path, "ab")
         try:
             role.popen = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                          env=self.env, start_new_session=True,
+                                          env={**self.env, **(env or {})}, start_new_session=True,
                                           preexec_fn=_die_with_parent if sys.platform == "linux" else None)
         finally:
             log.close()  # the child holds its own descriptor
@@ -110,33 +165,18 @@ class Supervisor:
 
     def wait_ready(self, roles: list[Role], deadline: float) -> None:
         """Until every role answers 200 on /v1/ready; raises if one exits or time runs out."""
-        pending = list(roles)
-        with httpx.Client(timeout=2.0) as client:
-            while pending:
-                for r in list(pending):
-                    if not r.running():
-                        raise RuntimeError(f"{r.name} exited (code {r.popen.returncode}) before it was ready:\n"
-                                           f"{r.log_tail()}")
-                    try:
-                        if client.get(r.url + "/v1/ready").status_code == 200:
-                            pending.remove(r)
-                    except httpx.HTTPError:
-                        pass
-                if pending and time.monotonic() > deadline:
-                    raise TimeoutError(f"not ready in time: {', '.join(r.name for r in pending)} "
-                                       f"(logs in {self.log_dir})")
-                if pending:
-                    time.sleep(0.2)
+        for r in roles:
+            r.wait_ready(max(0.1, deadline - time.monotonic()))
 
     def exited(self) -> list[Role]:
         return [r for r in self.roles if r.popen is not None and r.popen.poll() is not None]
 
-    def stop_all(self) -> None:
+    def stop_all(self, grace: float = STOP_GRACE_S) -> None:
         """SIGTERM every role (members before the router), then SIGKILL what is left after the grace."""
         for r in reversed(self.roles):
             if r.running():
                 _signal_group(r.popen, signal.SIGTERM)
-        deadline = time.monotonic() + STOP_GRACE_S
+        deadline = time.monotonic() + grace
         for r in reversed(self.roles):
             if r.popen is None:
                 continue
@@ -145,7 +185,6 @@ class Supervisor:
             except subprocess.TimeoutExpired:
                 _signal_group(r.popen, signal.SIGKILL)
                 r.popen.wait(timeout=5)
-            # A role's own children (a Sanic worker manager's workers) share its group.
             _signal_group(r.popen, signal.SIGKILL)
 
 

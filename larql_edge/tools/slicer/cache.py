@@ -9,15 +9,11 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
-import os
 from pathlib import Path
 
-from larql_edge.tools.slicer.extract import extract, resolve
+from larql_edge.config import cache_dir
 from larql_edge.format.vindex import Vindex, sha256_file
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("LARQL_CACHE_DIR") or Path.home() / ".cache" / "larql-edge")
+from larql_edge.tools.slicer.extract import extract, resolve
 
 
 def source_digest(path: Path) -> str:
@@ -60,7 +56,8 @@ def cached_vindex(source: str, level: str = "all", dtype: str = "f16", progress:
 
 def cached_slice(vindex: Path, preset: str) -> Path:
     """A preset slice of a cached vindex, kept beside it (hard links: no extra disk)."""
-    from larql_edge.tools.slicer.slice import canonical_preset, slice_vindex
+    from larql_edge.format.presets import canonical_preset
+    from larql_edge.tools.slicer.slice import slice_vindex
 
     preset = canonical_preset(preset)
     out = vindex.parent / f"{vindex.name}.slices" / preset

@@ -1,40 +1,49 @@
-"""The Hub boundary: one place that talks to ``huggingface_hub`` and translates its errors.
+"""The Hub boundary: the one place that talks to ``huggingface_hub`` and translates its errors.
 
-Everything above this module (publish, pull) sees `HubError` with a clear one-line message; the
-token is taken from ``HF_TOKEN`` or the library's login and never appears in a message.
+Everything above this module (publish, pull) sees the typed `HubError` family of
+`larql_edge.errors` with a clear one-line message. `FOREIGN` maps every exception class of
+``huggingface_hub.errors`` explicitly (a test walks that module and fails on a class missing here,
+so a new huggingface_hub release cannot slip an unmapped error past us); an exception resolves to
+the entry of the first class in its MRO, so ``GatedRepoError`` (a ``RepositoryNotFoundError``
+subclass in huggingface_hub 2.x) is reported as gated, not as missing. HTTP errors without a more
+specific class map by status. The token comes from the caller, ``HF_TOKEN`` or the library's
+login, and never appears in a message.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from functools import wraps
 from pathlib import PurePosixPath
-from typing import Any, TypeVar
+from typing import Any
 
-from larql_edge.tools.slicer.errors import HubError
+from larql_edge.errors import (
+    HubError,
+    HubForbidden,
+    HubGated,
+    HubInvalid,
+    HubNotFound,
+    HubRateLimited,
+    HubRevisionNotFound,
+    HubUnauthorized,
+    HubUnavailable,
+)
 
 REPO_TYPES = ("dataset", "model")
-_REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
-
-T = TypeVar("T")
+TOKEN_HINT = "set HF_TOKEN (or --hf-token-file), or log in with `hf auth login`"
 
 
 def validate_repo_id(repo_id: str) -> str:
-    """OWNER/NAME with the Hub's characters; no '..', no leading or trailing separators."""
-    if (
-        not isinstance(repo_id, str)
-        or not _REPO_ID.match(repo_id)
-        or ".." in repo_id
-        or "--" in repo_id
-        or repo_id.endswith((".", "-", "_"))
-        or repo_id.split("/")[0].endswith((".", "-", "_"))
-    ):
-        raise HubError(
-            f"invalid repo id {repo_id!r}: expected OWNER/NAME of letters, digits, '-', '_' or '.', "
-            "without '..' or '--' and not ending in a separator"
-        )
+    """OWNER/NAME as the Hub allows it (huggingface_hub's own rule), with the owner required."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id as hf_validate
+
+    try:
+        if not isinstance(repo_id, str) or repo_id.count("/") != 1:
+            raise HFValidationError("expected OWNER/NAME")
+        hf_validate(repo_id)
+    except HFValidationError as e:
+        raise HubInvalid(f"invalid repo id {repo_id!r}: expected OWNER/NAME ({str(e).split('. ')[0]})") from None
     return repo_id
 
 
@@ -42,32 +51,108 @@ def safe_relpath(path: str) -> str:
     """Refuse a remote listing entry that would escape the output folder."""
     p = PurePosixPath(path)
     if not path or "\\" in path or p.is_absolute() or any(part in ("..", "") for part in path.split("/")) or ":" in p.parts[0]:
-        raise HubError(f"unsafe path {path!r} in the remote file listing: refusing to download")
+        raise HubInvalid(f"unsafe path {path!r} in the remote file listing: refusing to download")
     return path
 
 
-def _translate(e: Exception, what: str) -> HubError:
-    from huggingface_hub import errors as hf
+def _status(e: BaseException) -> int | None:
+    return getattr(getattr(e, "response", None), "status_code", None)
 
-    status = getattr(getattr(e, "response", None), "status_code", None)
-    if isinstance(e, hf.RepositoryNotFoundError) or status == 404:
-        return HubError(f"{what}: not found (404)")
-    if isinstance(e, hf.GatedRepoError) or status in (401, 403):
-        return HubError(
-            f"{what}: not authorized ({status}): set HF_TOKEN or log in with `hf auth login`"
-        )
-    if isinstance(e, hf.RevisionNotFoundError):
-        return HubError(f"{what}: revision not found")
-    if isinstance(e, hf.HfHubHTTPError):
-        return HubError(f"{what}: the Hub answered {status or 'an error'}")
-    if isinstance(e, hf.LocalEntryNotFoundError):
-        return HubError(f"{what}: the Hub could not be reached")
-    if isinstance(e, (OSError, ConnectionError, TimeoutError)):
-        return HubError(f"{what}: {type(e).__name__}: {e}")
-    if type(e).__module__.startswith(("httpx", "httpcore", "requests", "urllib3")):
-        return HubError(f"{what}: network error ({type(e).__name__})")
-    if isinstance(e, hf.HFValidationError):
-        return HubError(f"{what}: {e}")
+
+def by_status(e: BaseException, what: str) -> HubError:
+    status = _status(e)
+    if status == 401:
+        return HubUnauthorized(f"{what}: not authorized (401): {TOKEN_HINT}")
+    if status == 403:
+        return HubForbidden(f"{what}: forbidden (403): the token may not do this")
+    if status == 404:
+        return HubNotFound(f"{what}: not found (404)")
+    if status == 429:
+        return HubRateLimited(f"{what}: rate limited by the Hub (429): wait and retry")
+    if status is not None and status >= 500:
+        return HubUnavailable(f"{what}: the Hub failed ({status}): retry later")
+    return HubError(f"{what}: the Hub answered {status or 'an error'}")
+
+
+def _msg(cls: type[HubError], text: str) -> Callable[[BaseException, str], HubError]:
+    return lambda e, what: cls(f"{what}: {text}")
+
+
+def _own_words(cls: type[HubError]) -> Callable[[BaseException, str], HubError]:
+    return lambda e, what: cls(f"{what}: {str(e).splitlines()[0][:300] if str(e) else type(e).__name__}")
+
+
+_UNREACHABLE = _own_words(HubError)  # inference, CLI, DDUF, sandbox...: never raised by the calls we make
+
+# Every class of huggingface_hub.errors (2.4), most specific first where they inherit.
+FOREIGN: dict[str, Callable[[BaseException, str], HubError]] = {
+    "GatedRepoError": _msg(HubGated, f"gated repo: accept its conditions on the Hub, then {TOKEN_HINT}"),
+    "RepositoryNotFoundError": _msg(HubNotFound, f"repository not found (or private: check the name; {TOKEN_HINT})"),
+    "RevisionNotFoundError": _msg(HubRevisionNotFound, "revision not found (check the branch, tag or commit)"),
+    "RemoteEntryNotFoundError": _msg(HubNotFound, "file not found in the repository"),
+    "DisabledRepoError": _msg(HubForbidden, "the repository is disabled"),
+    "BucketNotFoundError": _msg(HubNotFound, "bucket not found"),
+    "JobNotFoundError": _msg(HubNotFound, "job not found"),
+    "BadRequestError": _own_words(HubError),
+    "BucketBatchError": by_status,
+    "HfHubHTTPError": by_status,
+    "IncompleteSnapshotError": _msg(HubUnavailable, "the Hub could not be reached and the local copy is incomplete"),
+    "LocalEntryNotFoundError": _msg(HubUnavailable, "the Hub could not be reached and nothing is cached"),
+    "EntryNotFoundError": _msg(HubNotFound, "file not found"),
+    "OfflineModeIsEnabled": _msg(HubUnavailable, "HF_HUB_OFFLINE is set: unset it to reach the Hub"),
+    "LocalTokenNotFoundError": _msg(HubUnauthorized, f"no Hub token: {TOKEN_HINT}"),
+    "HFValidationError": _own_words(HubInvalid),
+    "HfUriError": _own_words(HubInvalid),
+    "FileMetadataError": _own_words(HubError),
+    "XetDownloadError": _own_words(HubUnavailable),
+    "DryRunError": _own_words(HubError),
+    "FileDuplicationError": _own_words(HubError),
+    "CorruptedCacheException": _own_words(HubError),
+    "CacheNotFound": _own_words(HubError),
+    "CachedRepoTreeNotFoundError": _own_words(HubError),
+    "RevisionResolutionError": _own_words(HubRevisionNotFound),
+    "NotASafetensorsRepoError": _UNREACHABLE,
+    "SafetensorsParsingError": _UNREACHABLE,
+    "InferenceEndpointTimeoutError": _UNREACHABLE,
+    "InferenceEndpointError": _UNREACHABLE,
+    "InferenceTimeoutError": _UNREACHABLE,
+    "GenerationError": _UNREACHABLE,
+    "IncompleteGenerationError": _UNREACHABLE,
+    "OverloadedError": _UNREACHABLE,
+    "UnknownError": _UNREACHABLE,
+    "ValidationError": _UNREACHABLE,
+    "TextGenerationError": _UNREACHABLE,
+    "CLIExtensionInstallError": _UNREACHABLE,
+    "ConfirmationError": _UNREACHABLE,
+    "CLIError": _UNREACHABLE,
+    "DDUFCorruptedFileError": _UNREACHABLE,
+    "DDUFInvalidEntryNameError": _UNREACHABLE,
+    "DDUFExportError": _UNREACHABLE,
+    "DDUFError": _UNREACHABLE,
+    "DeviceCodeError": _UNREACHABLE,
+    "OIDCError": _UNREACHABLE,
+    "SandboxCommandError": _UNREACHABLE,
+    "SandboxError": _UNREACHABLE,
+    "StrictDataclassClassValidationError": _UNREACHABLE,
+    "StrictDataclassDefinitionError": _UNREACHABLE,
+    "StrictDataclassFieldValidationError": _UNREACHABLE,
+    "StrictDataclassError": _UNREACHABLE,
+}
+
+
+def translate(e: BaseException, what: str) -> HubError:
+    """The typed error for an exception raised by huggingface_hub (or its HTTP stack) doing ``what``."""
+    for cls in type(e).__mro__:
+        if cls.__module__.startswith("huggingface_hub") and cls.__name__ in FOREIGN:
+            return FOREIGN[cls.__name__](e, what)
+    if type(e).__module__.split(".")[0] in ("httpx", "httpx2", "httpcore", "httpcore2", "requests", "urllib3"):
+        return HubUnavailable(f"{what}: network error ({type(e).__name__}): the Hub could not be reached")
+    if isinstance(e, (ConnectionError, TimeoutError)):
+        return HubUnavailable(f"{what}: {type(e).__name__}: {e}")
+    if isinstance(e, OSError):
+        return HubError(f"{what}: {e.strerror or type(e).__name__}{': ' + str(e.filename) if e.filename else ''}")
+    if isinstance(e, ValueError):  # huggingface_hub's own argument and path checks
+        return HubInvalid(f"{what}: {str(e).splitlines()[0][:300]}")
     raise e
 
 
@@ -78,19 +163,7 @@ def hub_errors(what: str) -> Iterator[None]:
     except HubError:
         raise
     except Exception as e:
-        raise _translate(e, what) from None
-
-
-def translated(what: str) -> Callable[[Callable[..., T]], Callable[..., T]]:
-    def deco(fn: Callable[..., T]) -> Callable[..., T]:
-        @wraps(fn)
-        def inner(*a: Any, **k: Any) -> T:
-            with hub_errors(what):
-                return fn(*a, **k)
-
-        return inner
-
-    return deco
+        raise translate(e, what) from None
 
 
 class Hub:

@@ -15,10 +15,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from larql_edge.tools.slicer.errors import HubError
-from larql_edge.tools.slicer.hub import Hub, hub_errors, validate_repo_id
-from larql_edge.tools.slicer.slice import DEFAULT_SLICES, canonical_preset, slice_vindex
+from larql_edge.console import human
+from larql_edge.errors import HubError
+from larql_edge.format.presets import DEFAULT_SLICES, canonical_preset
 from larql_edge.format.vindex import INDEX, Vindex, sha256_file
+from larql_edge.tools.slicer.hub import Hub, hub_errors, validate_repo_id
+from larql_edge.tools.slicer.slice import slice_vindex
 
 COLLECTION_LEVELS = ("model", "family", "library")
 DEFAULT_LIBRARY_TITLE = "LARQL Vindex Library"
@@ -221,7 +223,6 @@ def ensure_collection(hub: Hub, owner: str, title: str, description: str, repos:
 
 
 def render_report(rep: PublishReport) -> list[str]:
-    from larql_edge.tools.slicer.commands.inspect import human
 
     lines = [f"{'repo':<48} {'preset':<8} {'uploaded':>12} {'skipped':>12}"]
     for r in rep.repos:

@@ -11,11 +11,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from larql_edge.tools.slicer.errors import HubError
-from larql_edge.tools.slicer.hub import Hub, hub_errors, safe_relpath, validate_repo_id
-from larql_edge.tools.slicer.slice import DEFAULT_SLICES, canonical_preset
-from larql_edge.tools.slicer.publish import slice_repo_name
+from larql_edge.errors import HubError
+from larql_edge.format.presets import DEFAULT_SLICES, canonical_preset
 from larql_edge.format.vindex import Vindex
+from larql_edge.tools.slicer.hub import Hub, hub_errors, safe_relpath, validate_repo_id
+from larql_edge.tools.slicer.publish import slice_repo_name
 
 
 @dataclass

@@ -7,89 +7,16 @@ share a filesystem (vindex files are never modified in place, so links are safe)
 from __future__ import annotations
 
 import errno
-import fnmatch
 import os
 import shutil
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from larql_edge.tools.slicer.errors import SliceError
-from larql_edge.format.vindex import INDEX, Vindex, checksum_folder, level_rank, staged_output, write_index
-
-# Part -> file name patterns (the ADR-0007 catalogue).
-PARTS: dict[str, tuple[str, ...]] = {
-    "embed": ("embeddings.bin",),
-    "norms": ("norms.bin",),
-    "attn": ("attn_weights*.bin", "attn_weights*.json"),
-    "gate": ("gate_vectors.bin", "gate_vectors_q4.bin"),
-    "down_meta": ("down_meta.bin", "down_meta.jsonl"),
-    "ffn": ("interleaved*.bin", "interleaved*.json", "up_weights.bin", "down_weights.bin", "up_features.bin", "down_features.bin"),
-    "lm_head": ("lm_head*.bin",),
-    "router": ("router_weights.bin",),
-    "tokenizer": ("tokenizer.json",),
-    "manifest": ("weight_manifest.json",),
-    "labels": ("feature_labels.json", "feature_clusters.jsonl", "relation_clusters.json"),
-    "readme": ("README.md",),
-}
-
-PRESETS: dict[str, tuple[str, ...]] = {
-    # 2-tier: the client holds the embeddings itself.
-    "client": ("embed", "norms", "attn", "tokenizer", "manifest", "labels"),
-    # 3-tier client (ADR-0008): attention and norms only. larql-edge adds the tokenizer so the
-    # client can encode prompts and stream text without a round trip per token.
-    "attn": ("norms", "attn", "tokenizer", "manifest", "labels"),
-    # Embed server: larql-edge adds what /v1/logits needs (final norm via norms + manifest, lm_head
-    # when untied), so this preset alone serves every embed-server endpoint.
-    "embed": ("embed", "tokenizer", "labels", "norms", "manifest", "lm_head"),
-    "server": ("embed", "norms", "gate", "down_meta", "ffn", "tokenizer", "manifest", "labels"),
-    "browse": ("embed", "gate", "down_meta", "tokenizer", "labels", "readme"),
-    "router": ("router", "tokenizer", "manifest", "labels", "readme"),
-    "all": tuple(PARTS),
-}
-ALIASES = {"attention": "attn", "embed-server": "embed", "ffn": "server"}
-DEFAULT_SLICES = ("client", "attn", "embed", "server", "browse")
-
-
-def canonical_preset(name: str) -> str:
-    name = ALIASES.get(name, name)
-    if name not in PRESETS:
-        known = ", ".join(sorted(set(PRESETS) | set(ALIASES)))
-        raise SliceError(f"unknown preset {name!r} (known: {known})")
-    return name
-
-
-def resolve_parts(preset: str | None, parts: Iterable[str] = ()) -> list[str]:
-    """The union of a preset's parts and explicit parts, in catalogue order."""
-    chosen: set[str] = set(PRESETS[canonical_preset(preset)]) if preset else set()
-    for p in parts:
-        p = p.strip()
-        if not p:
-            continue
-        if p not in PARTS:
-            raise SliceError(f"unknown part {p!r} (known: {', '.join(PARTS)})")
-        chosen.add(p)
-    if not chosen:
-        raise SliceError("nothing to slice: give --preset and/or --parts")
-    return [p for p in PARTS if p in chosen]
-
-
-def part_of(filename: str) -> str | None:
-    for part, patterns in PARTS.items():
-        if any(fnmatch.fnmatchcase(filename, pat) for pat in patterns):
-            return part
-    return None
-
-
-def level_for(present_parts: set[str], source_level: str, kept_everything: bool) -> str:
-    """The strongest tier the kept files support, never above the source's."""
-    if kept_everything:
-        return source_level
-    if {"attn", "norms"} <= present_parts:
-        level = "inference" if {"gate", "ffn"} <= present_parts else "attention"
-    else:
-        level = "browse"
-    return level if level_rank(level) <= level_rank(source_level) else source_level
+from larql_edge.console import human
+from larql_edge.errors import SliceError
+from larql_edge.format.presets import level_for, part_of, resolve_parts
+from larql_edge.format.vindex import INDEX, Vindex, checksum_folder, staged_output, write_index
 
 
 @dataclass
@@ -121,7 +48,7 @@ def plan_slice(src: str | os.PathLike[str], dst: str | os.PathLike[str], parts: 
         entry = (f.name, f.stat().st_size)
         (kept if part_of(f.name) in parts else skipped).append(entry)
     present = {part_of(n) for n, _ in kept} - {None}
-    src_level = str(vx.index.get("extract_level", "all"))
+    src_level = vx.index.extract_level
     return SlicePlan(
         src=vx.path,
         dst=Path(dst),
@@ -162,20 +89,16 @@ def slice_vindex(
     with staged_output(plan.dst, force=force) as tmp:
         for name, _ in plan.files:
             plan.actions[name] = _place(plan.src / name, tmp / name)
-        index = dict(vx.index)
-        index["extract_level"] = plan.level_to
-        index["has_model_weights"] = plan.has_model_weights
-        index["checksums"] = {n: d for n, d in vx.checksums.items() if (tmp / n).is_file()} or checksum_folder(tmp)
-        missing = [n for n, _ in plan.files if n not in index["checksums"]]
+        sums = {n: d for n, d in vx.checksums.items() if (tmp / n).is_file()} or checksum_folder(tmp)
+        missing = [n for n, _ in plan.files if n not in sums]
         if missing:  # files the source never checksummed (e.g. a README added by hand)
-            index["checksums"].update({n: d for n, d in checksum_folder(tmp).items() if n in missing})
-        write_index(tmp, index)
+            sums.update({n: d for n, d in checksum_folder(tmp).items() if n in missing})
+        write_index(tmp, vx.index.replace(extract_level=plan.level_to, has_model_weights=plan.has_model_weights,
+                                          checksums=sums))
     return plan
 
 
 def describe(plan: SlicePlan, dry_run: bool = False) -> list[str]:
-    from larql_edge.tools.slicer.commands.inspect import human
-
     lines = []
     verb = "would keep" if dry_run else None
     for name, size in plan.files:

@@ -9,12 +9,12 @@ from sanic import Blueprint
 from sanic.response import HTTPResponse, json
 
 from larql_edge.errors import BadRequest, NotFound
-from larql_edge.wire import BINARY, WireError
-from larql_edge.wire import embed as wire
-
 from larql_edge.roles.embed import requests as rq
 from larql_edge.roles.embed.caching import cache_headers, none_match
 from larql_edge.roles.embed.routes._common import both, model_of
+from larql_edge.service import BINARY_KIND, body_kind, json_object
+from larql_edge.wire import BINARY
+from larql_edge.wire import embed as wire
 
 bp = Blueprint("embed")
 
@@ -23,14 +23,11 @@ bp = Blueprint("embed")
 async def embed(request, model_id: str | None = None):
     t0 = time.perf_counter()
     m = model_of(request, model_id)
-    kind = rq.body_kind(request)
-    if kind == "binary":
-        try:
-            ids = wire.decode_embed_request(request.body)
-        except WireError as e:
-            raise BadRequest(str(e)) from None
+    kind = body_kind(request)
+    if kind == BINARY_KIND:
+        ids = wire.decode_embed_request(request.body)
     else:
-        obj = rq.json_object(request)
+        obj = json_object(request)
         if "token_ids" not in obj:
             raise BadRequest('missing "token_ids" (a list of token ids)')
         ids = rq.json_ids(obj["token_ids"])
@@ -40,7 +37,7 @@ async def embed(request, model_id: str | None = None):
     ids = rq.check_ids(ids, m.vocab_size, request.app.ctx.cfg.limits.max_tokens)
     parts = m.store.rows_bytes(ids)
     n, hidden = int(ids.size), m.hidden_size
-    if rq.wants_binary(request, default_binary=kind == "binary"):
+    if rq.wants_binary(request, default_binary=kind == BINARY_KIND):
         body = wire.encode_embed_response_parts(n, hidden, [parts] if isinstance(parts, bytes) else parts)
         return HTTPResponse(body, content_type=BINARY)
     raw = parts if isinstance(parts, bytes) else b"".join(parts)

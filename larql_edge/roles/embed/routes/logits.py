@@ -18,12 +18,12 @@ from sanic import Blueprint
 from sanic.response import HTTPResponse, json
 
 from larql_edge.errors import BadRequest
-from larql_edge.wire import BINARY, WireError
-from larql_edge.wire import embed as wire
-
 from larql_edge.roles.embed import requests as rq
 from larql_edge.roles.embed.head import log_normaliser, top_k_ids
 from larql_edge.roles.embed.routes._common import both, model_of
+from larql_edge.service import BINARY_KIND, body_kind, json_object
+from larql_edge.wire import BINARY
+from larql_edge.wire import embed as wire
 
 bp = Blueprint("logits")
 
@@ -53,15 +53,12 @@ def _raw(temperature: float, row: np.ndarray) -> bytes:
 async def logits(request, model_id: str | None = None):
     t0 = time.perf_counter()
     m = model_of(request, model_id)
-    if rq.body_kind(request) == "binary":
-        try:
-            x = wire.decode_logits_request(request.body, m.hidden_size)
-        except WireError as e:
-            raise BadRequest(str(e)) from None
+    if body_kind(request) == BINARY_KIND:
+        x = wire.decode_logits_request(request.body, m.hidden_size)
         x = rq.finite(x)
         params = {k: request.args.get(k) for k in ("top_k", "temperature")}
     else:
-        params = rq.json_object(request)
+        params = json_object(request)
         if "residual" not in params:
             raise BadRequest(f'missing "residual" (a list of {m.hidden_size} numbers)')
         x = rq.residual(params["residual"], m.hidden_size)

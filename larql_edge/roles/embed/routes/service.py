@@ -1,4 +1,8 @@
-"""Operating the server: health, readiness, stats, the model list and the OpenAPI description."""
+"""The embed server's own operating routes: per-model stats and the model list.
+
+``/v1/health``, ``/v1/ready``, ``/v1/stats`` and ``/openapi.json`` are the service toolkit's (they
+call `ready` and `stats` below through the app's hooks).
+"""
 
 from __future__ import annotations
 
@@ -6,30 +10,22 @@ import os
 
 import psutil
 from sanic import Blueprint
-from sanic.response import json
+from sanic.request import Request
+from sanic.response import HTTPResponse, json
 
 from larql_edge.errors import NotFound, ServiceUnavailable
-
-from larql_edge.roles.embed.registry import MODEL_HEADER
+from larql_edge.roles.embed.registry import MODEL_HEADER, ModelRegistry
 
 bp = Blueprint("service")
 
 
-@bp.get("/v1/health", name="health")
-async def health(request):
-    """Alive: answers as soon as the process listens, loaded or not."""
-    return json({"status": "ok"})
+def ready(registry: ModelRegistry) -> dict:
+    if not registry.ready:
+        raise ServiceUnavailable(f"not ready: {registry.error}" if registry.error else "not ready: loading")
+    return {"status": "ready", "models": list(registry.models), "pid": os.getpid()}
 
 
-@bp.get("/v1/ready", name="ready")
-async def ready(request):
-    reg = request.app.ctx.registry
-    if not reg.ready:
-        raise ServiceUnavailable(f"not ready: {reg.error}" if reg.error else "not ready: loading")
-    return json({"status": "ready", "models": list(reg.models), "pid": os.getpid()})
-
-
-def _stats(request, model_id: str | None):
+def stats(request: Request, model_id: str | None = None) -> dict:
     app = request.app
     reg = app.ctx.registry
     mid = model_id or request.headers.get(MODEL_HEADER) or reg.default_id
@@ -43,21 +39,16 @@ def _stats(request, model_id: str | None):
     out["worker"] = {"pid": os.getpid(), "name": os.environ.get("SANIC_WORKER_NAME", "")}
     if reg.error:
         out["error"] = reg.error
-    return json(out)
-
-
-@bp.get("/v1/stats", name="stats")
-async def stats(request):
-    return _stats(request, None)
+    return out
 
 
 @bp.get("/v1/<model_id:str>/stats", name="stats_by_model")
-async def stats_by_model(request, model_id: str):
-    return _stats(request, model_id)
+async def stats_by_model(request: Request, model_id: str) -> HTTPResponse:
+    return json(stats(request, model_id))
 
 
 @bp.get("/v1/models", name="models")
-async def models(request):
+async def models(request: Request) -> HTTPResponse:
     reg = request.app.ctx.registry
     return json(
         {
@@ -78,8 +69,3 @@ async def models(request):
             ],
         }
     )
-
-
-@bp.get("/openapi.json", name="openapi")
-async def openapi(request):
-    return json(request.app.ctx.openapi)

@@ -6,10 +6,10 @@ import numpy as np
 from sanic import Blueprint
 from sanic.response import json
 
-from larql_edge.errors import BadRequest, PayloadTooLarge, UnsupportedMediaType
-
+from larql_edge.errors import BadRequest, PayloadTooLarge
 from larql_edge.roles.embed import requests as rq
 from larql_edge.roles.embed.routes._common import both, model_of
+from larql_edge.service import JSON_KIND, body_kind, json_object
 
 bp = Blueprint("tokens")
 
@@ -42,9 +42,8 @@ async def encode(request, model_id: str | None = None):
 @both(bp, "/token/encode", ["POST"], "encode_post")
 async def encode_post(request, model_id: str | None = None):
     m = model_of(request, model_id)
-    if rq.body_kind(request) != "json":
-        raise UnsupportedMediaType("POST /v1/token/encode takes a JSON body")
-    obj = rq.json_object(request)
+    body_kind(request, allowed=(JSON_KIND,))
+    obj = json_object(request)
     limit = request.app.ctx.cfg.limits.max_text_chars
     special = rq.bool_param(obj.get("add_special_tokens"), "add_special_tokens")
     if "texts" in obj:
@@ -71,9 +70,8 @@ async def decode(request, model_id: str | None = None):
 @both(bp, "/token/decode", ["POST"], "decode_post")
 async def decode_post(request, model_id: str | None = None):
     m = model_of(request, model_id)
-    if rq.body_kind(request) != "json":
-        raise UnsupportedMediaType("POST /v1/token/decode takes a JSON body")
-    obj = rq.json_object(request)
+    body_kind(request, allowed=(JSON_KIND,))
+    obj = json_object(request)
     limit = request.app.ctx.cfg.limits.max_tokens
     skip = rq.bool_param(obj.get("skip_special_tokens"), "skip_special_tokens")
     ids = obj.get("ids")

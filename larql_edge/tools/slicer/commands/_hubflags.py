@@ -1,15 +1,15 @@
 from __future__ import annotations
 
-import argparse
-import os
-
+from larql_edge.config import Flags
 from larql_edge.tools.slicer.hub import REPO_TYPES
 
 
-def add_hub_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--repo-type", choices=REPO_TYPES, default=os.environ.get("LARQL_REPO_TYPE", "dataset"),
-                   help="Hub repo type for every repo and collection item (default: dataset) [env LARQL_REPO_TYPE]")
-    p.add_argument("--endpoint", default=os.environ.get("HF_ENDPOINT") or None,
-                   help="a Hub-compatible server (default: HF_ENDPOINT, else the public Hub)")
-    p.add_argument("--slice-repo-template", default="{repo}-{preset}",
-                   help='sibling naming; {repo} and {preset} substitute (default "{repo}-{preset}")')
+def add_hub_flags(f: Flags) -> None:
+    f.choice("--repo-type", choices=REPO_TYPES, default="dataset",
+             help="Hub repo type for every repo and collection item")
+    f.add("--endpoint", default=None, env="HF_ENDPOINT",
+          help="a Hub-compatible server (default: the public Hub)")
+    f.add("--hf-token", default=None, secret=True, metavar="TOKEN",
+          help="Hub token (default: HF_TOKEN or the token of `hf auth login`)")
+    f.add("--slice-repo-template", default="{repo}-{preset}",
+          help='sibling naming; {repo} and {preset} substitute')

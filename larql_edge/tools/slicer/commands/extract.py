@@ -2,8 +2,10 @@ from __future__ import annotations
 
 import argparse
 
+from larql_edge.config import Flags
+from larql_edge.format.index import EXTRACT_LEVELS
+from larql_edge.format.vindex import DTYPES
 from larql_edge.tools.slicer.extract import PACKAGED, extract
-from larql_edge.format.vindex import DTYPES, EXTRACT_LEVELS
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -14,13 +16,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         f"(config.json, *.safetensors, tokenizer.json), or a packaged model: {', '.join(PACKAGED)}.",
     )
     p.add_argument("source", metavar="SOURCE")
-    p.add_argument("-o", "--output", required=True, metavar="OUT", help="vindex folder to create")
-    p.add_argument("--level", choices=EXTRACT_LEVELS, default="all",
-                   help="browse < attention < inference < all (default: all)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="f16",
-                   help="storage dtype of the weight files (default: f16; f32 is bit-exact to the dequantized source)")
-    p.add_argument("--force", action="store_true", help="replace OUT if it exists")
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    f = Flags(p)
+    f.add("--output", "-o", required=True, metavar="OUT", help="vindex folder to create")
+    f.choice("--level", choices=EXTRACT_LEVELS, default="all", help="browse < attention < inference < all")
+    f.choice("--dtype", choices=sorted(DTYPES), default="f16",
+             help="storage dtype of the weight files (f32 is bit-exact to the dequantized source)")
+    f.switch("--force", help="replace OUT if it is a vindex folder")
+    f.switch("--quiet", help="no progress bars")
     p.set_defaults(func=run)
 
 

@@ -2,8 +2,9 @@ from __future__ import annotations
 
 import argparse
 
-from larql_edge.tools.slicer.pull import pull
+from larql_edge.config import Flags
 from larql_edge.tools.slicer.commands._hubflags import add_hub_flags
+from larql_edge.tools.slicer.pull import pull
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -12,20 +13,22 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="download a published vindex, a preset, all slices or a collection (complete and verified)",
     )
     p.add_argument("repo", nargs="?", metavar="REPO", help="OWNER/NAME (not with --collection)")
+    f = Flags(p)
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--preset", help="pull the sibling repo of this preset")
-    g.add_argument("--all-slices", action="store_true", help="pull the full repo and every standard sibling")
-    g.add_argument("--collection", metavar="SLUG", help="pull every repo of a collection")
-    p.add_argument("--output", "-o", metavar="PATH", help="folder to hydrate (default: the Hub cache)")
-    p.add_argument("--revision", help="branch, tag or commit")
-    add_hub_flags(p)
+    fg = Flags(g, owner=p)
+    fg.add("--preset", help="pull the sibling repo of this preset")
+    fg.switch("--all-slices", help="pull the full repo and every standard sibling")
+    fg.add("--collection", metavar="SLUG", help="pull every repo of a collection")
+    f.add("--output", "-o", metavar="PATH", help="folder to hydrate (default: the Hub cache)")
+    f.add("--revision", help="branch, tag or commit")
+    add_hub_flags(f)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     rep = pull(args.repo, preset=args.preset, all_slices=args.all_slices, collection=args.collection,
                output=args.output, revision=args.revision, repo_type=args.repo_type,
-               template=args.slice_repo_template, endpoint=args.endpoint)
+               template=args.slice_repo_template, endpoint=args.endpoint, token=args.hf_token)
     ok = [r for r in rep.results if not r.error]
     print(f"Pulled {len(ok)}/{len(rep.results)} repos")
     for r in rep.results:

@@ -2,7 +2,9 @@ from __future__ import annotations
 
 import argparse
 
-from larql_edge.tools.slicer.slice import ALIASES, PARTS, PRESETS, describe, slice_vindex
+from larql_edge.config import Flags
+from larql_edge.format.presets import ALIASES, PARTS, PRESETS
+from larql_edge.tools.slicer.slice import describe, slice_vindex
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -14,11 +16,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         + f"; all: every part. Aliases: {', '.join(f'{a}={t}' for a, t in ALIASES.items())}.",
     )
     p.add_argument("src", metavar="SRC", help="the source vindex")
-    p.add_argument("-o", "--output", required=True, metavar="DST", help="the slice folder to create")
-    p.add_argument("--preset", help="a preset name (see above)")
-    p.add_argument("--parts", default="", help=f"comma-separated parts, united with the preset ({', '.join(PARTS)})")
-    p.add_argument("--force", action="store_true", help="replace DST if it exists")
-    p.add_argument("--dry-run", action="store_true", help="print the plan; write nothing")
+    f = Flags(p)
+    f.add("--output", "-o", required=True, metavar="DST", help="the slice folder to create")
+    f.add("--preset", help="a preset name (see above)")
+    f.add("--parts", default="", help=f"comma-separated parts, united with the preset ({', '.join(PARTS)})")
+    f.switch("--force", help="replace DST if it is a vindex folder")
+    f.switch("--dry-run", help="print the plan; write nothing")
     p.set_defaults(func=run)
 
 

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from datetime import datetime, timezone
+from importlib import metadata
 from pathlib import Path
-from typing import Any
 
 from tqdm.auto import tqdm
 
-from larql_edge.tools.slicer.errors import SourceError
-from larql_edge.format.vindex import ATTN, DOWN, LM_HEAD, NORMS, TOKENIZER, UP, VindexWriter, level_rank, staged_output
+from larql_edge.errors import SourceError
+from larql_edge.format.index import ModelConfig, VindexIndex, level_rank
+from larql_edge.format.vindex import ATTN, DOWN, LM_HEAD, NORMS, TOKENIZER, UP, VindexWriter, staged_output
 from larql_edge.tools.slicer.extract._source import PACKAGED, ModelSource, open_source, resolve
 
 __all__ = ["extract", "open_source", "resolve", "PACKAGED", "ModelSource"]
@@ -32,8 +34,8 @@ def extract(
     force: bool = False,
     progress: bool = True,
     log: Callable[[str], None] = print,
-) -> dict[str, Any]:
-    """Extract ``source`` into the vindex folder ``out``; returns the written index.json."""
+) -> VindexIndex:
+    """Extract ``source`` into the vindex folder ``out``; returns the written index."""
     rank = level_rank(level)
     t0 = time.perf_counter()
     src = open_source(source)
@@ -79,28 +81,42 @@ def extract(
                     w.add(UP, f"layers.{i}.mlp.up_proj.weight", _need(src, f"layers.{i}.mlp.up_proj.weight"))
                     w.add(DOWN, f"layers.{i}.mlp.down_proj.weight", _need(src, f"layers.{i}.mlp.down_proj.weight"))
                     bar.update()
-            if not src.tied:
+            if src.tied:
+                # LARQL's embed-only server needs an lm_head.bin; a tied model's is the embeddings.
+                w.link_tied_lm_head(src.config["vocab_size"], src.config["hidden_size"])
+            else:
                 w.add(LM_HEAD, "lm_head.weight", _need(src, "lm_head.weight"))
         cfg = src.config
-        index = {
-            "version": 2,
-            "model": src.name,
-            "family": src.family.name,
-            "num_layers": n_layers,
-            "hidden_size": cfg["hidden_size"],
-            "intermediate_size": cfg["intermediate_size"],
-            "vocab_size": cfg["vocab_size"],
-            "embed_scale": src.family.embed_scale(cfg["hidden_size"]),
-            "extract_level": level,
-            "has_model_weights": rank >= level_rank("attention"),
-            "down_top_k": 0,
-            "model_config": {"model_type": src.family.model_type}
-            | {k: cfg[k] for k in _MODEL_CONFIG_FIELDS if cfg.get(k) is not None},
-            "source": src.info | {"extracted_by": "larql-edge"},
-        }
+        model_config = ModelConfig.from_json(
+            {"model_type": src.family.model_type} | {k: cfg[k] for k in _MODEL_CONFIG_FIELDS if cfg.get(k) is not None}
+        )
+        index = VindexIndex(
+            model=src.name,
+            family=src.family.name,
+            num_layers=n_layers,
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            vocab_size=cfg["vocab_size"],
+            embed_scale=src.family.embed_scale(cfg["hidden_size"]),
+            extract_level=level,
+            has_model_weights=rank >= level_rank("attention"),
+            down_top_k=0,
+            model_config=model_config,
+            lm_head_tied=src.tied,
+            # LARQL's loader refuses an index.json whose source lacks these two strings.
+            source=src.info | {"extracted_by": "larql-edge", "larql_version": f"larql-edge {_version()}",
+                               "extracted_at": datetime.now(timezone.utc).isoformat(timespec="seconds")},
+        )
         written = w.finish(index)
-    log(f"Wrote {out} in {time.perf_counter() - t0:.1f}s ({len(written['checksums'])} files)")
+    log(f"Wrote {out} in {time.perf_counter() - t0:.1f}s ({len(written.checksums)} files)")
     return written
+
+
+def _version() -> str:
+    try:
+        return metadata.version("larql-edge")
+    except metadata.PackageNotFoundError:
+        return "dev"
 
 
 def _need(src: ModelSource, key: str):

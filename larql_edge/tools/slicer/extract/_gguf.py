@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from larql_edge.tools.slicer.errors import SourceError, UnsupportedTensorType
+from larql_edge.errors import SourceError, UnsupportedTensorType
 from larql_edge.format.families import family_by_name
 from larql_edge.tools.slicer.extract._source import ModelSource
 

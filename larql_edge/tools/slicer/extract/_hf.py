@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from larql_edge.tools.slicer.errors import SourceError, UnsupportedTensorType
+from larql_edge.errors import SourceError, UnsupportedTensorType
 from larql_edge.format.families import family_for_hf_model_type
 from larql_edge.tools.slicer.extract._source import ModelSource
 

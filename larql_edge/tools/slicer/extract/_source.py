@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from larql_edge.tools.slicer.errors import SourceError
+from larql_edge.errors import SourceError
 from larql_edge.format.families import Family
 
 # Packaged aliases: SOURCE names that resolve to a GGUF file inside an installed PyPI package.

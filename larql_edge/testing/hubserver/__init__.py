@@ -1,6 +1,6 @@
 """A local Hugging Face Hub for tests: speaks the HTTP API the unmodified `huggingface_hub` client uses.
 
-    from tests.hubserver import HubServer
+    from larql_edge.testing.hubserver import HubServer
 
     with HubServer() as hub:                     # 127.0.0.1, ephemeral port, data in a temp dir
         api = HfApi(endpoint=hub.url, token=hub.token)

@@ -1,4 +1,4 @@
-"""Process measurements shared by the benchmarks."""
+"""What the benchmarks share (the test suite is not imported: servers come from larql_edge.testing)."""
 
 from __future__ import annotations
 

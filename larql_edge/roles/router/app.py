@@ -1,24 +1,38 @@
-"""The router's HTTP app: membership, FFN routing, the embed proxy, and its own health and metrics."""
+"""The router's app: membership, FFN routing and the embed proxy, on the service toolkit."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass
 
 from sanic import Sanic
 from sanic.request import Request
-from sanic.response import HTTPResponse, json
 
+from larql_edge.errors import TransportError
+from larql_edge.service import Hooks, Metrics, make_app
 from larql_edge.service.identity import rss_bytes
-from larql_edge.service.envelope import install_error_envelope
-from larql_edge.service.metrics import Metrics
-from larql_edge.roles.router import embed_proxy, grid_routes, walk
-from larql_edge.service.h1 import TransportError
-from larql_edge.roles.router.registry import Registry
-from larql_edge.roles.router.upstream import Upstream
+
+from .embed_proxy import bp as embed_bp
+from .grid_routes import bp as grid_bp
+from .registry import Registry
+from .upstream import Upstream
+from .walk import bp as walk_bp
 
 log = logging.getLogger("larql.router")
-MAX_BODY = 256 << 20
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What the router accepts (published in /v1/stats)."""
+
+    max_body: int = 64 << 20  # a walk-ffn request it forwards (members bound their own, lower)
+    max_grid_body: int = 64 << 10  # join, heartbeat, leave: small JSON objects
+    upstream_timeout: float = 60.0  # seconds for one member's reply
+
+    def as_json(self) -> dict:
+        return {"max_body_bytes": self.max_body, "max_grid_body_bytes": self.max_grid_body,
+                "upstream_timeout_s": self.upstream_timeout}
 
 
 class RouterMetrics(Metrics):
@@ -35,49 +49,42 @@ class RouterMetrics(Metrics):
         self.uncovered = self.gauge("layers_uncovered", "layers no live FFN member serves")
 
 
-def create_app(registry: Registry, grid_key: str, upstream_timeout: float = 60.0, name: str = "larql_router") -> Sanic:
-    app = Sanic(name)
-    app.config.REQUEST_MAX_SIZE = MAX_BODY
-    app.config.KEEP_ALIVE_TIMEOUT = 75
-    install_error_envelope(app)
-    metrics = RouterMetrics()
-    metrics.install(app)
-    app.ctx.registry = registry
-    # The pool opens connections lazily, inside the server's loop: it can be made before the server.
-    app.ctx.upstream = upstream = Upstream(registry, upstream_timeout, metrics)
+def create_app(registry: Registry, grid_key: str, limits: Limits | None = None, name: str = "larql_router") -> Sanic:
+    limits = limits or Limits()
 
-    @app.after_server_start
-    async def _tasks(app, _loop=None):
-        app.ctx.housekeeping = asyncio.get_running_loop().create_task(_housekeeping(app, registry, metrics))
-
-    @app.before_server_stop
-    async def _close(app, _loop=None):
-        task = getattr(app.ctx, "housekeeping", None)
-        if task is not None:
-            task.cancel()
-        await upstream.close()
-
-    grid_routes.install(app, registry, grid_key, metrics)
-    walk.install(app, registry, upstream, metrics)
-    embed_proxy.install(app, registry, upstream)
-
-    @app.get("/v1/stats")
-    async def stats(request: Request) -> HTTPResponse:
+    def stats(request: Request) -> dict:
         v = registry.view()
-        return json({"mode": "router", "model": v["model"], "num_layers": v["num_layers"],
-                     "members": len(v["members"]), "gaps": v["gaps"], "complete": v["complete"],
-                     "memory_mb": round(rss_bytes() / 2**20, 1)})
+        return {"mode": "router", "model": v["model"], "num_layers": v["num_layers"], "hidden_size": v["hidden_size"],
+                "members": len(v["members"]), "gaps": v["gaps"], "complete": v["complete"],
+                "inflight": upstream.inflight, "memory_mb": round(rss_bytes() / 2**20, 1), "limits": limits.as_json()}
 
-    @app.get("/v1/health")
-    async def health(request: Request) -> HTTPResponse:
-        return json({"status": "ok"})
-
-    @app.get("/v1/ready")
-    async def ready(request: Request) -> HTTPResponse:
+    def ready() -> dict:
         # Ready = accepting joins and requests. Whether every layer is served is /v1/grid's
         # "complete": members join after the router is up, so they cannot be a condition of it.
         v = registry.view()
-        return json({"ready": True, "complete": v["complete"], "gaps": v["gaps"], "embed": v["embed"]})
+        return {"ready": True, "complete": v["complete"], "gaps": v["gaps"], "embed": v["embed"]}
+
+    metrics = RouterMetrics()
+    hooks = Hooks(ready=ready, stats=stats, inflight=lambda: upstream.inflight)
+    app = make_app(name, "router", hooks, max_body=limits.max_body, metrics=metrics)
+    app.ctx.registry = registry
+    app.ctx.grid_key = grid_key.encode()
+    app.ctx.limits = limits
+    # The pool opens connections lazily, inside the server's loop: it can be made before the server.
+    app.ctx.upstream = upstream = Upstream(registry, limits.upstream_timeout, metrics)
+    for bp in (grid_bp, walk_bp, embed_bp):
+        app.blueprint(bp)
+
+    @app.after_server_start
+    async def _tasks(app_):
+        app_.ctx.housekeeping = asyncio.get_running_loop().create_task(_housekeeping(app_, registry, metrics))
+
+    @app.before_server_stop
+    async def _close(app_):
+        task = getattr(app_.ctx, "housekeeping", None)
+        if task is not None:
+            task.cancel()
+        await upstream.close()
 
     return app
 
@@ -93,8 +100,7 @@ async def _housekeeping(app: Sanic, registry: Registry, metrics: RouterMetrics) 
             await _probe_static(app, registry)
             for cap in ("ffn", "embed"):
                 metrics.members.labels(cap).set(sum(1 for m in registry.members.values() if m.capability == cap))
-            v = registry.view()
-            metrics.uncovered.set(sum(len(range(int(g.split("-")[0]), int(g.split("-")[1]) + 1)) for g in v["gaps"]))
+            metrics.uncovered.set(sum(len(g) for g in registry.gaps()))
         except asyncio.CancelledError:
             raise
         except Exception:  # housekeeping must outlive any one bad round

@@ -26,7 +26,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -36,16 +35,12 @@ from pathlib import Path
 
 import httpx
 
-REPO = Path(__file__).resolve().parents[1]
+from larql_edge.tools.grid.supervisor import free_port
+
+REPO = Path(__file__).resolve().parents[2]  # the source checkout: deploy/ is not part of the wheel
 NGINX_CONF = REPO / "deploy" / "nginx" / "nginx.conf"
 VARNISH_VCL = REPO / "deploy" / "varnish" / "default.vcl"
 KINDS = ("nginx", "varnish")
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def find_program(name: str) -> str | None:

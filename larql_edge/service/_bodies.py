@@ -1,0 +1,75 @@
+"""Reading request bodies, the same way in every server.
+
+One content-type rule: ``application/json`` is JSON; ``application/x-larql-ffn``,
+``application/octet-stream`` and a missing Content-Type (which HTTP says a recipient may treat as
+``application/octet-stream``, RFC 9110 §8.3) are binary; anything else is a 415 naming what the
+route takes. Parameters (``; charset=...``) are ignored, as LARQL does.
+
+JSON bodies are parsed with bounded nesting (``MAX_JSON_DEPTH``; deeper is a 400, never a
+RecursionError and a 500) and without the non-standard ``NaN``/``Infinity`` constants.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from larql_edge.errors import BadRequest, UnsupportedMediaType
+from larql_edge.wire import BINARY, JSON
+
+BINARY_TYPES = frozenset({BINARY, "application/octet-stream", ""})
+MAX_JSON_DEPTH = 32
+
+JSON_KIND, BINARY_KIND = "json", "binary"
+
+
+def content_type(request) -> str:
+    return (request.headers.get("content-type") or "").split(";", 1)[0].strip().lower()
+
+
+def body_kind(request, allowed: tuple[str, ...] = (JSON_KIND, BINARY_KIND)) -> str:
+    """``"json"`` or ``"binary"`` from the Content-Type; a kind the route does not take is a 415."""
+    ctype = content_type(request)
+    kind = JSON_KIND if ctype == JSON else BINARY_KIND if ctype in BINARY_TYPES else None
+    if kind is None or kind not in allowed:
+        takes = " or ".join(JSON if k == JSON_KIND else BINARY for k in allowed)
+        raise UnsupportedMediaType(f"Content-Type {ctype or 'none'!r}: {request.method} {request.path} takes {takes}")
+    return kind
+
+
+def _refuse_constant(name: str) -> Any:
+    raise BadRequest(f"malformed JSON body: {name} is not a JSON number")
+
+
+def _check_depth(obj: Any, limit: int) -> None:
+    stack = [(obj, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > limit:
+            raise BadRequest(f"the JSON body is nested more than {limit} levels deep")
+        if isinstance(node, dict):
+            stack.extend((v, depth + 1) for v in node.values() if isinstance(v, (dict, list)))
+        elif isinstance(node, list):
+            stack.extend((v, depth + 1) for v in node if isinstance(v, (dict, list)))
+
+
+def parse_json(raw: bytes | str, max_depth: int = MAX_JSON_DEPTH) -> Any:
+    try:
+        obj = json.loads(raw or b"", parse_constant=_refuse_constant)
+    except RecursionError:
+        raise BadRequest(f"the JSON body is nested more than {max_depth} levels deep") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise BadRequest(f"malformed JSON body ({e})") from None
+    _check_depth(obj, max_depth)
+    return obj
+
+
+def json_body(request, max_depth: int = MAX_JSON_DEPTH) -> Any:
+    return parse_json(request.body, max_depth)
+
+
+def json_object(request, max_depth: int = MAX_JSON_DEPTH) -> dict:
+    obj = json_body(request, max_depth)
+    if not isinstance(obj, dict):
+        raise BadRequest("the JSON body must be an object")
+    return obj

@@ -1,0 +1,58 @@
+"""The error envelope every larql-edge server answers with: ``{"error": "message"}``.
+
+One table maps error types to statuses: each `LarqlError` class declares its own ``status``
+(`larql_edge.errors`). Sanic's own errors (unknown route, wrong method, body over the size limit,
+malformed HTTP) keep their status and headers (``Allow`` on a 405). Anything else is a bug: a 500
+with a generic message, the traceback in the log, never to the caller.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+from sanic import Sanic
+from sanic.exceptions import SanicException
+from sanic.request import Request
+from sanic.response import HTTPResponse, json
+
+from larql_edge.errors import LarqlError, TooManyRequests
+
+log = logging.getLogger("larql.http")
+
+
+def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> HTTPResponse:
+    return json({"error": message}, status=status, headers=headers)
+
+
+def error_kind(exc: BaseException) -> str:
+    """A short label for metrics: the LarqlError kind, or the Sanic error class, or 'internal'."""
+    if isinstance(exc, LarqlError):
+        return exc.kind
+    if isinstance(exc, SanicException):
+        return type(exc).__name__.lower()
+    return "internal"
+
+
+def response_for(exc: BaseException, request: Request | None) -> HTTPResponse:
+    if isinstance(exc, LarqlError):
+        headers = None
+        if isinstance(exc, TooManyRequests):
+            headers = {"Retry-After": str(max(1, math.ceil(exc.retry_after)))}
+        return error_response(exc.status, exc.message, headers)
+    if isinstance(exc, SanicException):
+        status = int(getattr(exc, "status_code", 500) or 500)
+        msg = str(exc) or "error"
+        if status == 404 and request is not None:
+            msg = f"no route for {request.method} {request.path}"
+        headers = dict(getattr(exc, "headers", None) or {})
+        return error_response(status, msg, headers=headers or None)
+    log.exception("unhandled error on %s %s", getattr(request, "method", "?"), getattr(request, "path", "?"))
+    return error_response(500, "internal server error")
+
+
+def install_error_envelope(app: Sanic) -> None:
+    async def handler(request: Request, exc: Exception) -> HTTPResponse:
+        return response_for(exc, request)
+
+    app.error_handler.add(Exception, handler)
