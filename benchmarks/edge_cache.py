@@ -205,7 +205,7 @@ def main() -> None:
                 med = statistics.median(r["rps"] for r in rs)
                 # Each round's ratio against that round's static run (close in time: less noise from
                 # whatever else the shared machine runs), then the median over rounds.
-                ratios = [r["rps"] / b["rps"] for r, b in zip(rs, runs["nginx static file"])]
+                ratios = [r["rps"] / b["rps"] for r, b in zip(rs, runs["nginx static file"], strict=True)]
                 mid = sorted(rs, key=lambda r: r["rps"])[len(rs) // 2]
                 bad = sum(r["non2xx"] for r in rs)
                 each = ", ".join(f"{r['rps']:.0f}" for r in rs)

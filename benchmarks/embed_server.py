@@ -215,7 +215,8 @@ def get_throughput(srv: Role, hidden: int, workers: int, duration: float, conns:
         shutil.rmtree(bare_py.parent, ignore_errors=True)
     best = {k: max(r for r, _ in v) for k, v in res.items()}
     cpu = {k: min(c for _, c in v) for k, v in res.items()}
-    out = [f"GET /v1/embed/{{id}} binary ({4 * hidden} bytes), {workers} worker(s) each, {conns} connections, wrk 1 thread, best of {rounds}:"]
+    out = [f"GET /v1/embed/{{id}} binary ({4 * hidden} bytes), {workers} worker(s) each, {conns} connections, "
+           f"wrk 1 thread, best of {rounds}:"]
     for k, v in res.items():
         runs = ", ".join(f"{r:,.0f}" for r, _ in v)
         out.append(f"    {k:<12} {best[k]:>9,.0f} req/s  server CPU {cpu[k]:6.1f} us/request   (runs: {runs})")
@@ -273,7 +274,8 @@ def logits_latency(srv: Role, vindex: Path, n: int, blas: int) -> None:
     say(
         f"/v1/logits p50 latency, server --blas-threads {blas}, {n} sequential requests (client-measured, top_k 5):\n"
         f"    numpy f32 matvec (same lm_head, {blas} thread(s)) {p50(base) * 1e3:6.2f} ms\n"
-        f"    JSON request                                {p50(json_lat) * 1e3:7.2f} ms   ratio {p50(json_lat) / p50(base):.2f}x (target <= 1.3x)\n"
+        f"    JSON request                                {p50(json_lat) * 1e3:7.2f} ms   "
+        f"ratio {p50(json_lat) / p50(base):.2f}x (target <= 1.3x)\n"
         f"    binary request                              {p50(bin_lat) * 1e3:7.2f} ms   ratio {p50(bin_lat) / p50(base):.2f}x"
     )
 

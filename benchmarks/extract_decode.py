@@ -12,7 +12,6 @@ import tempfile
 import time
 from pathlib import Path
 
-
 import numpy as np  # noqa: E402
 
 from larql_edge.model.forward import Transformer  # noqa: E402

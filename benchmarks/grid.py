@@ -130,7 +130,7 @@ def main() -> int:
         router = sup.start("router", router_argv, url(rp))
         embed = sup.start("embed", embed_argv, url(ep))
         shards = [sup.start(f"ffn-{r}", ["larql-ffn", str(paths["ffn"]), "--layers", str(r), "--port", str(p), *common,
-                                         "--join", url(rp)], url(p), layers=str(r)) for r, p in zip(ranges, sp)]
+                                         "--join", url(rp)], url(p), layers=str(r)) for r, p in zip(ranges, sp, strict=True)]
         deadline = time.monotonic() + 900
         sup.wait_ready(sup.roles, deadline)
         while not httpx.get(router.url + "/v1/grid").json()["complete"]:

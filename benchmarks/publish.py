@@ -12,9 +12,9 @@ import time
 
 os.environ.update(HF_HUB_DISABLE_XET="1", HF_HUB_DISABLE_TELEMETRY="1")
 
+from larql_edge.testing.hubserver import HubServer  # noqa: E402
 from larql_edge.tools.slicer.cache import cached_vindex  # noqa: E402
 from larql_edge.tools.slicer.publish import publish  # noqa: E402
-from larql_edge.testing.hubserver import HubServer  # noqa: E402
 
 
 def main() -> None:

@@ -11,7 +11,6 @@ import subprocess
 import tempfile
 import time
 
-
 from larql_edge.format.presets import PRESETS  # noqa: E402
 from larql_edge.tools.slicer.cache import cached_vindex  # noqa: E402
 from larql_edge.tools.slicer.slice import slice_vindex  # noqa: E402

@@ -76,8 +76,8 @@ class Flags:
         self.prefix = prefix
         self.owner = owner or parser
 
-    def _error(self, message: str):
-        self.owner.error(message)  # type: ignore[union-attr]
+    def _error(self, message: str) -> None:
+        self.owner.error(message)  # type: ignore[attr-defined]
 
     def _env_default(self, name: str, type: Callable[[str], Any], default: Any, secret: bool) -> Any:
         raw = os.environ.get(name)

@@ -129,6 +129,12 @@ class ChecksumMismatch(VindexError):
         super().__init__("; ".join(problems))
 
 
+class QuantError(VindexError):
+    """Bad input to a block codec (shape, size, non-finite values, unknown format)."""
+
+    kind = "quant"
+
+
 class SourceError(LarqlError):
     """An extraction source (GGUF, Hugging Face folder, packaged alias) cannot be used."""
 

@@ -96,10 +96,10 @@ class StubEmbed:
         import threading
         from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+        from larql_edge.errors import WireError
         from larql_edge.format.vindex import Vindex
         from larql_edge.model.forward import LocalEmbed, LocalHead
         from larql_edge.model.spec import ModelSpec
-        from larql_edge.errors import WireError
         from larql_edge.wire import embed as ew
 
         vx = Vindex.open(vindex)

@@ -115,7 +115,7 @@ def quantize_q4_k(data: np.ndarray) -> bytes:
             sub_mins.append(min(min(sub), F(0.0)))
             sub_maxs.append(max(max(sub), F(0.0)))
         global_max_range = F(0.0)
-        for a, b in zip(sub_maxs, sub_mins):
+        for a, b in zip(sub_maxs, sub_mins, strict=True):
             global_max_range = max(global_max_range, F(a - b))
         global_min = min(sub_mins)
         d = F(global_max_range / F(F(15.0) * F(63.0))) if global_max_range > 0 else F(0.0)
@@ -138,9 +138,9 @@ def quantize_q4_k(data: np.ndarray) -> bytes:
             mn_lo, mn_hi = F(dmin * F(q_mins[lo_i])), F(dmin * F(q_mins[hi_i]))
             inv_lo = F(F(1.0) / sc_lo) if sc_lo > 0 else F(0.0)
             inv_hi = F(F(1.0) / sc_hi) if sc_hi > 0 else F(0.0)
-            for l in range(32):
-                lo = int(_clamp(rust_round(F(F(block[lo_i * 32 + l] + mn_lo) * inv_lo)), 0, 15))
-                hi = int(_clamp(rust_round(F(F(block[hi_i * 32 + l] + mn_hi) * inv_hi)), 0, 15))
+            for j in range(32):
+                lo = int(_clamp(rust_round(F(F(block[lo_i * 32 + j] + mn_lo) * inv_lo)), 0, 15))
+                hi = int(_clamp(rust_round(F(F(block[hi_i * 32 + j] + mn_hi) * inv_hi)), 0, 15))
                 out.append(lo | (hi << 4))
     return bytes(out)
 

@@ -90,7 +90,7 @@ def test_compose_file_never_pulls():
     text = (dk.ROOT / "compose.yaml").read_text()
     body = text[text.index("\nservices:\n"):text.index("\nvolumes:\n")]
     blocks = re.split(r"(?m)^  ([a-z][a-z0-9-]*):\n", body)[1:]
-    services = dict(zip(blocks[::2], blocks[1::2]))
+    services = dict(zip(blocks[::2], blocks[1::2], strict=True))
     assert {"slicer", "embed", "ffn-a", "ffn-b", "router", "edge", "prometheus", "grid"} <= set(services)
     for name, block in services.items():
         assert re.search(r"(?m)^    pull_policy: (build|never)$", block), name

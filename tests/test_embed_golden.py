@@ -55,7 +55,7 @@ def test_embedding_rows_equal_golden(server, golden, mid):
 @pytest.mark.parametrize("mid", ["gemma", "smol"])
 def test_logits_give_golden_top10(server, golden, residuals, mid):
     g = golden(MODELS[mid])
-    for prompt, x in zip(g["prompts"], residuals[mid]):
+    for prompt, x in zip(g["prompts"], residuals[mid], strict=True):
         want_ids = prompt["top10_ids"]
         # JSON request, JSON top-k
         top = server.post(f"/v1/{mid}/logits", json={"residual": x.tolist(), "top_k": 10}).json()["top_k"]

@@ -263,7 +263,7 @@ def test_concurrent_logits_share_a_product(srv, ref):
     before = srv.client.get("/v1/gemma/stats").json()["logits_batching"]
     outs = asyncio.run(fire())
     after = srv.client.get("/v1/gemma/stats").json()["logits_batching"]
-    for x, r in zip(xs, outs):
+    for x, r in zip(xs, outs, strict=True):
         assert r.json()["top_k"][0]["token_id"] == int(np.argmax(ref["gemma"]["head"].logits(x[None])[0]))
     assert after["rows"] - before["rows"] == 12
     assert after["batches"] - before["batches"] < 12  # some requests shared a product

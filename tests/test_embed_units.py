@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 
 from larql_edge.errors import BadRequest, NotAcceptable, PayloadTooLarge
-from larql_edge.service import Compute
 from larql_edge.roles.embed import requests as rq
 from larql_edge.roles.embed.batcher import LogitsBatcher
 from larql_edge.roles.embed.caching import CACHE_CONTROL, cache_headers, none_match
 from larql_edge.roles.embed.head import log_normaliser, top_k_ids
 from larql_edge.roles.embed.store import EmbeddingStore, HotCache
+from larql_edge.service import Compute
 from larql_edge.wire import WireError
 from larql_edge.wire import embed as wire
 
@@ -144,7 +144,7 @@ def test_batcher_stacks_concurrent_requests():
         return xs, outs, seen, b.stats()
 
     xs, outs, seen, stats = asyncio.run(go())
-    for x, y in zip(xs, outs):
+    for x, y in zip(xs, outs, strict=True):
         np.testing.assert_allclose(y, w @ x, rtol=1e-5, atol=1e-5)
     assert sum(calls) == 20 and max(calls) == 8 and len(calls) == 3  # 8 + 8 + 4
     assert seen == calls and stats["rows"] == 20 and stats["largest_batch"] == 8
@@ -158,7 +158,8 @@ def test_batcher_isolates_a_failing_post():
         def bad(row):
             raise ValueError("boom")
 
-        r = await asyncio.gather(b.submit(np.ones(2, np.float32), lambda r: r.sum()), b.submit(np.ones(2, np.float32), bad), return_exceptions=True)
+        r = await asyncio.gather(b.submit(np.ones(2, np.float32), lambda r: r.sum()), b.submit(np.ones(2, np.float32), bad),
+                                 return_exceptions=True)
         ex.shutdown()
         return r
 

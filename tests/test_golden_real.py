@@ -37,7 +37,7 @@ def test_top10_and_logprobs(case):
     for p in g["prompts"]:
         got = top_k(model.next_logits(p["input_ids"]), 10)
         assert [i for i, _ in got] == p["top10_ids"], p["prompt"]
-        delta = max(abs(lp - want) for (_, lp), want in zip(got, p["top10_logprobs"]))
+        delta = max(abs(lp - want) for (_, lp), want in zip(got, p["top10_logprobs"], strict=True))
         assert delta <= 2e-3, (p["prompt"], delta)
 
 

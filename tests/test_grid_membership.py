@@ -183,3 +183,19 @@ def test_a_member_joins_every_router_and_rejoins_one_that_restarts(tiny_models):
                 assert wait_grid(restarted.url, members=1, timeout=10)["complete"]
             finally:
                 restarted.stop()
+
+
+def test_leave_on_request_drains_the_member(tiny_models):
+    """What a preStop hook (docker/roles/larql-leave) calls: the member leaves every router, then drains."""
+    with inproc.router() as r1, inproc.router() as r2, inproc.shard(tiny_models["gemma3"], "0-1", join=[r1.url, r2.url]) as s:
+        wait_grid(r1.url, members=1)
+        wait_grid(r2.url, members=1)
+        assert httpx.post(s.url + "/v1/membership/leave").status_code == 401
+        assert httpx.post(s.url + "/v1/membership/leave", headers={"authorization": "Bearer wrong"}).status_code == 401
+        r = httpx.post(s.url + "/v1/membership/leave", headers={"authorization": f"Bearer {GRID_KEY}"}, timeout=10)
+        assert r.status_code == 200 and r.json() == {"left": 2, "draining": True}
+        assert wait_grid(r1.url, complete=False, members=0)["members"] == []
+        assert wait_grid(r2.url, complete=False, members=0)["members"] == []
+        ready = httpx.get(s.url + "/v1/ready")
+        assert ready.status_code == 503 and "draining" in ready.json()["error"]
+        assert httpx.get(s.url + "/v1/health").status_code == 200  # alive: in-flight requests still finish

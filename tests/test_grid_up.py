@@ -99,6 +99,7 @@ def test_grid_up_serves_and_ctrl_c_stops_everything(tiny_models, tmp_path):
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=10)
+        proc.stdout.close()
 
 
 def test_grid_up_rejects_bad_counts(tiny_models):

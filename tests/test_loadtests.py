@@ -26,7 +26,8 @@ def test_locust_embed_users_against_embed_server(tiny_models, tmp_path):
             capture_output=True, text=True, timeout=120, cwd=ROOT,
         )
         assert r.returncode == 0, r.stderr[-3000:]
-    rows = {row["Name"]: row for row in csv.DictReader(open(f"{prefix}_stats.csv"))}
+    with open(f"{prefix}_stats.csv") as f:
+        rows = {row["Name"]: row for row in csv.DictReader(f)}
     agg = rows["Aggregated"]
     assert int(agg["Request Count"]) > 20
     assert int(agg["Failure Count"]) == 0

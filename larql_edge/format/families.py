@@ -11,6 +11,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from gguf import MODEL_TENSOR as MT
+from gguf import TENSOR_NAMES
+
 from larql_edge.errors import UnsupportedArchitecture
 
 
@@ -34,8 +37,8 @@ class Family:
     gguf_norm_plus_one: bool
     default_rope_local_base: float | None = None
     default_sliding_window_pattern: int | None = None
-    # GGUF tensor suffix (after "blk.N.") -> vindex key suffix (after "layers.N.").
-    gguf_layer_tensors: dict[str, str] = field(default_factory=dict)
+    # GGUF per-layer tensor kind (gguf-py's MODEL_TENSOR) -> vindex key suffix (after "layers.N.").
+    gguf_layer_tensors: dict[MT, str] = field(default_factory=dict)
 
     def embed_scale(self, hidden: int) -> float:
         return float(math.sqrt(hidden)) if self.scale_embeddings else 1.0
@@ -58,15 +61,21 @@ class Family:
 
 
 _COMMON_GGUF = {
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-    "attn_norm.weight": "input_layernorm.weight",
+    MT.ATTN_Q: "self_attn.q_proj.weight",
+    MT.ATTN_K: "self_attn.k_proj.weight",
+    MT.ATTN_V: "self_attn.v_proj.weight",
+    MT.ATTN_OUT: "self_attn.o_proj.weight",
+    MT.FFN_GATE: "mlp.gate_proj.weight",
+    MT.FFN_UP: "mlp.up_proj.weight",
+    MT.FFN_DOWN: "mlp.down_proj.weight",
+    MT.ATTN_NORM: "input_layernorm.weight",
 }
+
+
+def tensor_name(kind: MT, layer: int | None = None) -> str:
+    """The GGUF tensor name llama.cpp gives a tensor kind (gguf-py's own table), ``.weight`` added."""
+    return TENSOR_NAMES[kind].format(bid=layer) + ".weight"
+
 
 GEMMA3 = Family(
     name="gemma3",
@@ -83,11 +92,11 @@ GEMMA3 = Family(
     default_sliding_window_pattern=6,
     gguf_layer_tensors={
         **_COMMON_GGUF,
-        "attn_q_norm.weight": "self_attn.q_norm.weight",
-        "attn_k_norm.weight": "self_attn.k_norm.weight",
-        "post_attention_norm.weight": "post_attention_layernorm.weight",
-        "ffn_norm.weight": "pre_feedforward_layernorm.weight",
-        "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+        MT.ATTN_Q_NORM: "self_attn.q_norm.weight",
+        MT.ATTN_K_NORM: "self_attn.k_norm.weight",
+        MT.ATTN_POST_NORM: "post_attention_layernorm.weight",
+        MT.FFN_NORM: "pre_feedforward_layernorm.weight",
+        MT.FFN_POST_NORM: "post_feedforward_layernorm.weight",
     },
 )
 
@@ -104,7 +113,7 @@ LLAMA = Family(
     gguf_norm_plus_one=False,
     gguf_layer_tensors={
         **_COMMON_GGUF,
-        "ffn_norm.weight": "post_attention_layernorm.weight",
+        MT.FFN_NORM: "post_attention_layernorm.weight",
     },
 )
 

@@ -36,6 +36,7 @@ from typing import Any, Self
 
 import numpy as np
 
+from larql_edge.errors import VindexError
 from larql_edge.format.quant import (
     BLOCK,
     VINDEX_FORMATS,
@@ -46,7 +47,6 @@ from larql_edge.format.quant import (
     quantize_matrix,
     row_bytes,
 )
-from larql_edge.errors import VindexError
 
 ATTN_Q4K = "attn_weights_q4k.bin"
 ATTN_Q4K_MANIFEST = "attn_weights_q4k_manifest.json"
@@ -163,7 +163,7 @@ def parse_q4k_manifest(path: Path, file_size: int) -> list[Q4kEntry]:
             raise VindexError(f"{tag}: length {length} but {fmt} {shape} needs {want} bytes")
         if off + length > file_size:
             raise VindexError(f"{tag}: bytes {off}..{off + length} lie outside {binary} ({file_size} bytes; truncated?)")
-        out.append(Q4kEntry(key, fmt, nrows, pcols, off, length, binary))
+        out.append(Q4kEntry(key, fmt, nrows, pcols, int(off or 0), int(length or 0), binary))
     return out
 
 

@@ -34,6 +34,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from larql_edge.errors import QuantError
+
 QK_K = 256  # values per K-quant super-block
 QK8_0 = 32  # values per Q8_0 block
 
@@ -45,10 +47,6 @@ GGML_Q6_K = "GGML_Q6_K"  # llama.cpp's Q6_K bit layout, as found in GGUF files
 
 _F32 = np.float32
 _U8 = np.uint8
-
-
-class QuantError(ValueError):
-    """Bad input to a block codec (shape, size, non-finite values, unknown format)."""
 
 
 @dataclass(frozen=True)

@@ -76,15 +76,16 @@ class ManifestEntry:
     @classmethod
     def from_json(cls, r: Any, where: str) -> "ManifestEntry":
         try:
-            e = cls(key=str(r["key"]), kind=str(r.get("kind", "tensor")), shape=tuple(int(s) for s in r["shape"]),
-                    offset=int(r["offset"]), length=int(r["length"]), file=str(r.get("file") or "model_weights.bin"))
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise VindexError(f"{where}: malformed entry ({type(e).__name__}: {e})") from None
-        if e.kind not in MANIFEST_KINDS:
-            raise VindexError(f"{where}: {e.key}: unknown kind {e.kind!r}")
-        if e.offset < 0 or e.length < 0 or any(s < 0 for s in e.shape) or "/" in e.file or e.file.startswith("."):
-            raise VindexError(f"{where}: {e.key}: bad offset, length, shape or file name")
-        return e
+            entry = cls(key=str(r["key"]), kind=str(r.get("kind", "tensor")), shape=tuple(int(s) for s in r["shape"]),
+                        offset=int(r["offset"]), length=int(r["length"]), file=str(r.get("file") or "model_weights.bin"))
+        except (KeyError, TypeError, ValueError, AttributeError) as err:
+            raise VindexError(f"{where}: malformed entry ({type(err).__name__}: {err})") from None
+        if entry.kind not in MANIFEST_KINDS:
+            raise VindexError(f"{where}: {entry.key}: unknown kind {entry.kind!r}")
+        if (entry.offset < 0 or entry.length < 0 or any(s < 0 for s in entry.shape) or "/" in entry.file
+                or entry.file.startswith(".")):
+            raise VindexError(f"{where}: {entry.key}: bad offset, length, shape or file name")
+        return entry
 
     def to_json(self) -> dict[str, Any]:
         return {"key": self.key, "kind": self.kind, "shape": list(self.shape), "offset": self.offset,
@@ -357,7 +358,7 @@ def _alive(pid: int) -> bool:
 
 def remove_stale_staging(out: Path) -> list[Path]:
     """Remove staging folders beside ``out`` whose writer is gone (a killed extract or slice)."""
-    removed = []
+    removed: list[Path] = []
     if not out.parent.is_dir():
         return removed
     for p in out.parent.iterdir():

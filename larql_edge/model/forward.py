@@ -133,7 +133,7 @@ class Transformer:
         q = be.linear(x, w.q).reshape(seq, s.num_q_heads, s.head_dim).transpose(1, 0, 2)
         k = be.linear(x, w.k).reshape(seq, s.num_kv_heads, s.head_dim).transpose(1, 0, 2)
         v = be.linear(x, w.v).reshape(seq, s.num_kv_heads, s.head_dim).transpose(1, 0, 2)
-        if w.q_norm is not None:
+        if w.q_norm is not None and w.k_norm is not None:
             q = ops.rms_norm(q, w.q_norm, s.rms_norm_eps, s.family.norm_offset)
             k = ops.rms_norm(k, w.k_norm, s.rms_norm_eps, s.family.norm_offset)
         pos = np.arange(start, start + seq)

@@ -105,7 +105,7 @@ def expand_router_urls(urls: tuple[str, ...]) -> list[str]:
         host, port = u.hostname or "", u.port or (443 if u.scheme == "https" else 80)
         try:
             infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-            addrs = sorted({i[4][0] for i in infos})
+            addrs = sorted({str(i[4][0]) for i in infos})
         except OSError:
             addrs = []
         if len(addrs) <= 1:

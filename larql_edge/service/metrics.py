@@ -69,13 +69,13 @@ def _add_to_histogram(child, counts: list[int], total: float) -> None:
     """
     buckets, sum_value = getattr(child, "_buckets", None), getattr(child, "_sum", None)
     if buckets is not None and sum_value is not None and len(buckets) == len(counts):
-        for value, n in zip(buckets, counts):
+        for value, n in zip(buckets, counts, strict=True):
             if n:
                 value.inc(n)
         sum_value.inc(total)
         return
     bounds = list(DURATION_BUCKETS) + [DURATION_BUCKETS[-1]]
-    for bound, n in zip(bounds, counts):
+    for bound, n in zip(bounds, counts, strict=True):
         for _ in range(n):
             child.observe(bound)
 
@@ -141,7 +141,7 @@ class Metrics:
 
         return Counter(self.prefix + name, doc, tuple(labels), registry=self.registry)
 
-    def gauge(self, name: str, doc: str, labels: Sequence[str] = (), mode: str = "livesum"):
+    def gauge(self, name: str, doc: str, labels: Sequence[str] = (), mode: Any = "livesum"):
         """``mode`` is how workers' values combine: livesum, liveall, max, min, mostrecent..."""
         from prometheus_client import Gauge
 
@@ -194,6 +194,7 @@ class Metrics:
             reg = CollectorRegistry()
             multiprocess.MultiProcessCollector(reg)
             return generate_latest(reg)
+        assert self.registry is not None
         return generate_latest(self.registry)
 
     def mark_process_dead(self) -> None:

@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -119,7 +120,7 @@ class EdgeProcess:
         self.keep_dir = keep_dir
         self.proc: subprocess.Popen | None = None
         self._out_path = self.dir / "process.log"
-        self._out = None
+        self._out: Any = None
 
     # subclasses: argv(), log_files()
     def argv(self) -> list[str]:
@@ -155,6 +156,8 @@ class EdgeProcess:
         """Our process (or one of its children) listens on the port: a connect alone could reach another's socket."""
         import psutil
 
+        if self.proc is None:
+            return False
         try:
             root = psutil.Process(self.proc.pid)
             procs = [root, *root.children(recursive=True)]

@@ -17,6 +17,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from sanic import Sanic
 
@@ -37,7 +38,7 @@ class ServerThread:
         self.loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._error: BaseException | None = None
-        self._server = None
+        self._server: Any = None
         self._thread = threading.Thread(target=self._run, name=f"server-{app.name}", daemon=True)
 
     def _run(self) -> None:

@@ -6,11 +6,12 @@
 Every codec is little-endian and never trusts a length field without checking it against the body.
 """
 
+from larql_edge.errors import WireError
+
 # LARQL's binary content types, shared by the embed and FFN wires.
 BINARY = "application/x-larql-ffn"
 BINARY_F16 = "application/x-larql-ffn-f16"
 JSON = "application/json"
 
-from larql_edge.errors import WireError
 
 __all__ = ["BINARY", "BINARY_F16", "JSON", "WireError"]

@@ -66,7 +66,7 @@ def value_dtype(f16: bool) -> np.dtype:
 
 def wants_f16(accept: str | None) -> bool:
     """True when an Accept header asks for f16 values (``application/x-larql-ffn-f16``)."""
-    return bool(accept) and CONTENT_TYPE_F16 in accept.lower()
+    return accept is not None and CONTENT_TYPE_F16 in accept.lower()
 
 
 def reply_content_type(f16: bool) -> str:
@@ -273,7 +273,8 @@ def request_from_json(obj: object, hidden: int) -> FfnRequest:
     if ("layer" in obj) == ("layers" in obj):
         raise WireError('give exactly one of "layer" or "layers"')
     if "layer" in obj:
-        layers, batch = (_int_field(obj, "layer"),), False
+        layers: tuple[int, ...] = (_int_field(obj, "layer"),)
+        batch = False
     else:
         ls = obj["layers"]
         if not isinstance(ls, list) or not ls or len(ls) > MAX_BATCH_LAYERS:

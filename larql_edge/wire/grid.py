@@ -81,6 +81,7 @@ class Announce:
             vindex_hash=_str(obj, "vindex_hash", required=False, limit=128),
         )
         if cap == "ffn":
+            assert a.layer_start is not None and a.layer_end is not None  # required for ffn above
             if a.layer_end < a.layer_start:
                 raise ProtocolError('"layer_end" must be >= "layer_start" (the range is inclusive)')
             if a.num_layers is not None and a.layer_end >= a.num_layers:

@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -10,8 +10,8 @@ class Backend(Protocol):
 
     name: str
 
-    def linear(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
-        """``x @ w.T`` for ``w`` in ``[out, in]`` orientation."""
+    def linear(self, x: np.ndarray, w: Any) -> np.ndarray:
+        """``x @ w.T`` for ``w`` (what `prepare` made of an ``[out, in]`` weight)."""
 
-    def prepare(self, w: np.ndarray) -> object:
+    def prepare(self, w: np.ndarray) -> Any:
         """Convert a weight once into the backend's preferred resident form."""

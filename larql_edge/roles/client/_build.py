@@ -84,14 +84,15 @@ def build_remote(vx: Vindex, args: argparse.Namespace) -> Transformer:
     if not embed_urls:
         raise RemoteError("--embed URL is needed when --ffn names shards by layer range (a router URL serves both)")
     if args.ffn:
-        ffn = RemoteFfn(Replicas(client, args.retries, what="FFN"), ffn_targets, spec.hidden_size, spec.num_layers,
-                        f16=args.ffn_f16)
-        missing = ffn.missing_layers()
+        remote_ffn = RemoteFfn(Replicas(client, args.retries, what="FFN"), ffn_targets, spec.hidden_size, spec.num_layers,
+                               f16=args.ffn_f16)
+        missing = remote_ffn.missing_layers()
         if missing:
             from larql_edge.format.layers import gaps
 
             holes = ", ".join(str(g) for g in gaps(set(range(spec.num_layers)) - set(missing), spec.num_layers))
             raise RemoteError(f"no --ffn target serves layers {holes} (the model has {spec.num_layers} layers)")
+        ffn: RemoteFfn | LocalFfn = remote_ffn
     else:
         ffn = LocalFfn(vx, spec, backend=be)
     embed_replicas = Replicas(client, args.retries, what="embed server")

@@ -95,7 +95,7 @@ def create_app(cfg: EmbedConfig) -> Sanic:
     registry = ModelRegistry(cfg)
 
     def inflight() -> int:
-        return sum(m.batcher.pending for m in registry.models.values() if m.batcher is not None)
+        return sum(m.batcher.pending for m in registry.models.values() if m.ready)
 
     hooks = Hooks(ready=lambda: ready(registry), stats=stats, inflight=inflight, openapi=openapi_spec())
     app = make_app(APP_NAME, "embed", hooks, max_body=cfg.limits.max_body, access_log=cfg.access_log)

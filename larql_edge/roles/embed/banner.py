@@ -29,7 +29,7 @@ def model_lines(m: ServedModel) -> list[str]:
     ]
     tied = "tied" if m.tied else "untied, lm_head.bin"
     lines.append(f"  lm_head:    {_gb(head.copy.nbytes)}  ({tied}; f32 compute copy: {head.copy.storage})")
-    lines.append(f"  Tokenizer:  {'loaded' if m.tokenizer is not None else 'missing'}")
+    lines.append(f"  Tokenizer:  {'loaded' if m.loaded['tokenizer'] else 'missing'}")
     return lines
 
 

@@ -88,7 +88,7 @@ class LogitsBatcher:
             self.largest = max(self.largest, len(batch))
             if self.on_batch is not None:
                 self.on_batch(len(batch), time.perf_counter() - t0)
-            for (_, _, fut), (ok, value) in zip(batch, results):
+            for (_, _, fut), (ok, value) in zip(batch, results, strict=True):
                 if fut.done():
                     continue
                 if ok:

@@ -13,9 +13,12 @@ import logging
 import time
 from pathlib import Path
 
-from larql_edge.errors import VindexError
+from tokenizers import Tokenizer
+
+from larql_edge.errors import ServiceUnavailable, VindexError
 from larql_edge.format.vindex import EMBEDDINGS, MANIFEST, TOKENIZER, Vindex, sha256_file
 from larql_edge.model.spec import ModelSpec
+from larql_edge.roles.embed.batcher import LogitsBatcher
 from larql_edge.roles.embed.config import ModelSource
 from larql_edge.roles.embed.head import LogitsHead
 from larql_edge.roles.embed.store import EmbeddingStore
@@ -59,10 +62,11 @@ class ServedModel:
         self.spec = ModelSpec.from_index(self.vindex.index)
         # The sha256 pins the weights in ETags and /v1/models/{sha}/...; computed at load if absent.
         self.sha256: str | None = self.vindex.checksums.get(EMBEDDINGS)
-        self.store: EmbeddingStore | None = None
-        self.head: LogitsHead | None = None
-        self.tokenizer = None
-        self.batcher = None  # set by the app once the head is loaded
+        # Loaded after the server listens (`load`); the properties below are what routes use.
+        self._store: EmbeddingStore | None = None
+        self._head: LogitsHead | None = None
+        self._tokenizer: Tokenizer | None = None
+        self._batcher: LogitsBatcher | None = None  # set by the app once the head is loaded
         self.load_seconds: dict[str, float] = {}
         self.error: str | None = None
 
@@ -86,15 +90,40 @@ class ServedModel:
     @property
     def loaded(self) -> dict[str, bool]:
         return {
-            "embeddings": self.store is not None,
-            "lm_head": self.head is not None,
-            "tokenizer": self.tokenizer is not None,
+            "embeddings": self._store is not None,
+            "lm_head": self._head is not None,
+            "tokenizer": self._tokenizer is not None,
         }
 
     @property
     def ready(self) -> bool:
         # The batcher is attached last, once everything else has loaded (checked on every request).
-        return self.batcher is not None
+        return self._batcher is not None
+
+    def _loaded(self, part, what: str):
+        if part is None:
+            raise ServiceUnavailable(self.error or f"model {self.id!r}: the {what} is still loading")
+        return part
+
+    @property
+    def store(self) -> EmbeddingStore:
+        return self._loaded(self._store, "embedding table")
+
+    @property
+    def head(self) -> LogitsHead:
+        return self._loaded(self._head, "lm_head")
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self._loaded(self._tokenizer, "tokenizer")
+
+    @property
+    def batcher(self) -> LogitsBatcher:
+        return self._loaded(self._batcher, "logits batcher")
+
+    @batcher.setter
+    def batcher(self, b: LogitsBatcher) -> None:
+        self._batcher = b
 
     @property
     def embed_nbytes(self) -> int:
@@ -102,24 +131,22 @@ class ServedModel:
 
     # -- loading -------------------------------------------------------------------------------
     def load(self, hot_cache: int, lm_head_cache: Path | None) -> None:
-        from tokenizers import Tokenizer
-
         t = time.perf_counter()
         table = self.vindex.embeddings()
-        self.store = EmbeddingStore(table, self.spec.embed_scale, hot_cache)
+        self._store = EmbeddingStore(table, self.spec.embed_scale, hot_cache)
         if self.sha256 is None:
             log.warning("%s: index.json records no sha256 for %s; hashing it", self.path, EMBEDDINGS)
             self.sha256 = sha256_file(self.path / EMBEDDINGS)
         self.load_seconds["embeddings"] = time.perf_counter() - t
 
         t = time.perf_counter()
-        self.tokenizer = Tokenizer.from_file(str(self.vindex.tokenizer_path))
+        self._tokenizer = Tokenizer.from_file(str(self.vindex.tokenizer_path))
         self.load_seconds["tokenizer"] = time.perf_counter() - t
 
         t = time.perf_counter()
         head = LogitsHead(self.vindex, self.spec, lm_head_cache)
         head.warm_up()
-        self.head = head
+        self._head = head
         self.load_seconds["lm_head"] = time.perf_counter() - t
 
     # -- lookups used by the routes -------------------------------------------------------------
@@ -130,7 +157,7 @@ class ServedModel:
         return f'"{self.sha256}-{token_id}-{representation}"'
 
     def stats(self) -> dict:
-        store, head = self.store, self.head
+        store, head = self._store, self._head
         out = {
             "model": self.name,
             "model_id": self.id,
@@ -156,7 +183,7 @@ class ServedModel:
             "loaded": self.loaded,
             "load_seconds": {k: round(v, 3) for k, v in self.load_seconds.items()},
             "hot_cache": store.cache.stats() if store is not None else None,
-            "logits_batching": self.batcher.stats() if self.batcher is not None else None,
+            "logits_batching": self._batcher.stats() if self._batcher is not None else None,
         }
         if self.error:
             out["error"] = self.error

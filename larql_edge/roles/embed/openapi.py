@@ -74,7 +74,8 @@ def _row_op(op_id: str, params: list[dict], summary: str) -> dict:
         "parameters": params + [TOKEN, IF_NONE_MATCH],
         "responses": {
             "200": {
-                "description": "The row, scaled by embed_scale: binary f32[hidden] (default) or JSON (Accept: application/json, or the .json URL)",
+                "description": "The row, scaled by embed_scale: binary f32[hidden] (default) or JSON "
+                "(Accept: application/json, or the .json URL)",
                 "headers": ROW_HEADERS,
                 "content": {
                     BIN: {"schema": {"type": "string", "format": "binary", "description": "f32[hidden], little-endian, no header"}},
@@ -148,7 +149,8 @@ def openapi_spec() -> dict:
         "get": _row_op("embedRowByModel", [MODEL_ID], "One embedding row of a named model"),
         "head": _row_op("embedRowByModelHead", [MODEL_ID], "Headers of the row"),
     }
-    sha = {"name": "sha", "in": "path", "required": True, "description": "sha256 of the model's embeddings.bin", "schema": {"type": "string"}}
+    sha = {"name": "sha", "in": "path", "required": True, "description": "sha256 of the model's embeddings.bin",
+           "schema": {"type": "string"}}
     paths["/v1/models/{sha}/embed/{token}"] = {
         "get": _row_op("embedRowBySha", [sha], "One embedding row, content-addressed by the weights' sha256"),
         "head": _row_op("embedRowByShaHead", [sha], "Headers of the content-addressed row"),

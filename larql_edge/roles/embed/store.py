@@ -35,7 +35,8 @@ class HotCache:
         self.period = max(self.capacity, min_period)
         self.entries: dict[int, bytes] = {}
         # array, not numpy: incrementing one element is ~20x cheaper, and numpy still reads it in place.
-        self.counts = array("I", bytes(4 * vocab)) if self.capacity else None
+        # Empty when the cache is off (capacity 0): nothing is ever counted then.
+        self.counts = array("I", bytes(4 * vocab) if self.capacity else b"")
         self.wanted: np.ndarray | None = None  # bool[vocab] once the first recompute ran
         self.hits = 0
         self.misses = 0

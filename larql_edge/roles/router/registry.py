@@ -122,7 +122,8 @@ class Registry:
         m = Member(
             id=secrets.token_hex(8), capability=a.capability, url=a.public_url, model=a.model,
             num_layers=a.num_layers, hidden_size=a.hidden_size, vindex_hash=a.vindex_hash,
-            layers=LayerRange(a.layer_start, a.layer_end) if a.capability == "ffn" else None,
+            layers=LayerRange(a.layer_start, a.layer_end)
+            if a.capability == "ffn" and a.layer_start is not None and a.layer_end is not None else None,
             joined_at=now, last_seen=now,
         )
         self.members[m.id] = m

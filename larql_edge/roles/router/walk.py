@@ -13,6 +13,7 @@ import asyncio
 import json as jsonlib
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
 from sanic import Blueprint
 from sanic.request import Request
@@ -58,10 +59,10 @@ def _no_shard(registry: Registry, layers: Sequence[int], reasons: list[str]) -> 
     return ServiceUnavailable(msg)
 
 
-SendGroup = Callable[[Member, list[int]], Awaitable[list]]
+SendGroup = Callable[[Member, list[int]], Awaitable[list[Any]]]
 
 
-async def dispatch(registry: Registry, layers: Sequence[int], send_group: SendGroup, metrics=None) -> dict[int, object]:
+async def dispatch(registry: Registry, layers: Sequence[int], send_group: SendGroup, metrics=None) -> dict[int, Any]:
     """Run ``send_group(member, positions)`` for every member chosen; returns {position: item}."""
     results: dict[int, object] = {}
     pending = list(range(len(layers)))
@@ -76,7 +77,7 @@ async def dispatch(registry: Registry, layers: Sequence[int], send_group: SendGr
             metrics.retries.inc(len(jobs))
         outs = await asyncio.gather(*(send_group(m, pos) for m, pos in jobs), return_exceptions=True)
         pending = []
-        for (m, pos), out in zip(jobs, outs):
+        for (m, pos), out in zip(jobs, outs, strict=True):
             if isinstance(out, MemberFailed):
                 excluded.add(m.id)
                 reasons.append(out.reason)
@@ -84,7 +85,7 @@ async def dispatch(registry: Registry, layers: Sequence[int], send_group: SendGr
             elif isinstance(out, BaseException):
                 raise out
             else:
-                results.update(zip(pos, out))
+                results.update(zip(pos, out, strict=True))
         if not pending:
             return results
         pending.sort()

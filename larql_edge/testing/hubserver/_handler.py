@@ -266,7 +266,7 @@ class BaseHubHandler(BaseHTTPRequestHandler):
                 )
                 return
             if parsed is not None:
-                start, end = parsed
+                start, end = parsed  # type: ignore[str-unpack,assignment]
                 status = 206
                 extra["Content-Range"] = f"bytes {start}-{end}/{size}"
         length = max(0, end - start + 1)

@@ -116,6 +116,7 @@ class HubServer:
             return self
         self._httpd = _HTTPServer(self._address, self._state)
         host, port = self._httpd.server_address[:2]
+        host = host.decode() if isinstance(host, bytes) else host
         self._state.base_url = f"http://{host}:{port}"
         self._thread = threading.Thread(
             target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05}, name=f"hubserver:{port}", daemon=True

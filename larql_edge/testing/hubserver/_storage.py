@@ -328,7 +328,7 @@ class Storage:
             for op in operations:
                 key, value = op.get("key"), op.get("value") or {}
                 if key == "file":
-                    path = validate_repo_path(value.get("path"))
+                    path = validate_repo_path(str(value.get("path") or ""))
                     if value.get("encoding", "base64") != "base64":
                         raise HubError(400, f"Unsupported encoding {value.get('encoding')!r} for {path}")
                     try:
@@ -338,7 +338,7 @@ class Storage:
                     sha = self.put_bytes(data)
                     files[path] = self._make_entry(path, len(data), sha, lfs=False)
                 elif key == "lfsFile":
-                    path = validate_repo_path(value.get("path"))
+                    path = validate_repo_path(str(value.get("path") or ""))
                     oid = str(value.get("oid", ""))
                     if value.get("algo", "sha256") != "sha256":
                         raise HubError(400, f"Unsupported LFS hash algorithm {value.get('algo')!r}")

@@ -132,7 +132,8 @@ def up_command(args: argparse.Namespace) -> int:
             for r in sup.exited():
                 if not r.info.get("reported"):
                     r.info["reported"] = True
-                    print(f"larql-grid: {r.name} exited (code {r.popen.returncode}); last log lines:\n{r.log_tail(10)}",
+                    code = r.popen.returncode if r.popen else None
+                    print(f"larql-grid: {r.name} exited (code {code}); last log lines:\n{r.log_tail(10)}",
                           file=sys.stderr, flush=True)
                     if r is router:
                         raise LarqlError("the router stopped; stopping the grid")

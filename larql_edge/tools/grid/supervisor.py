@@ -174,7 +174,7 @@ class Supervisor:
     def stop_all(self, grace: float = STOP_GRACE_S) -> None:
         """SIGTERM every role (members before the router), then SIGKILL what is left after the grace."""
         for r in reversed(self.roles):
-            if r.running():
+            if r.popen is not None and r.running():
                 _signal_group(r.popen, signal.SIGTERM)
         deadline = time.monotonic() + grace
         for r in reversed(self.roles):

@@ -215,7 +215,8 @@ def ensure_collection(hub: Hub, owner: str, title: str, description: str, repos:
             slug = hub.api.create_collection(title, namespace=owner, description=description, exists_ok=True).slug
         for r in repos:
             try:
-                hub.api.add_collection_item(slug, item_id=r, item_type=hub.repo_type, exists_ok=True)
+                hub.api.add_collection_item(slug, item_id=r, item_type=hub.repo_type,  # type: ignore[arg-type]
+                                        exists_ok=True)
             except HfHubHTTPError as e:
                 if getattr(getattr(e, "response", None), "status_code", None) != 409:
                     raise

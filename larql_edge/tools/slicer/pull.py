@@ -67,8 +67,8 @@ def pull_one(hub: Hub, repo_id: str, output: Path | None, revision: str | None) 
     listing = hub.remote_files(repo_id, revision=revision)
     if not listing:
         raise HubError(f"{repo_id}: the repo holds no files")
-    for path in listing:
-        safe_relpath(path)
+    for name in listing:
+        safe_relpath(name)
     if "index.json" not in listing:
         raise HubError(f"{repo_id}: no index.json: not a vindex repo")
     with hub_errors(f"download {repo_id}"):
@@ -80,8 +80,8 @@ def pull_one(hub: Hub, repo_id: str, output: Path | None, revision: str | None) 
             endpoint=hub.endpoint,
             token=hub.token,
         )
-    path = Path(folder)
-    missing = [p for p in listing if not (path / p).is_file()]
+    path = Path(str(folder))
+    missing = [f for f in listing if not (path / f).is_file()]
     if missing:
         raise HubError(f"{repo_id}: incomplete download, missing {', '.join(sorted(missing))}")
     Vindex.open(path).verify_or_raise()

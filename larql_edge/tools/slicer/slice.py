@@ -41,13 +41,14 @@ def plan_slice(src: str | os.PathLike[str], dst: str | os.PathLike[str], parts: 
     src_p, dst_p = vx.path.resolve(), Path(dst).resolve()
     if dst_p == src_p or src_p in dst_p.parents:
         raise SliceError(f"destination {dst} is the source or inside it")
-    kept, skipped = [], []
+    kept: list[tuple[str, int]] = []
+    skipped: list[tuple[str, int]] = []
     for f in vx.files():
         if f.name == INDEX or f.name.startswith("."):
             continue
         entry = (f.name, f.stat().st_size)
         (kept if part_of(f.name) in parts else skipped).append(entry)
-    present = {part_of(n) for n, _ in kept} - {None}
+    present = {p for n, _ in kept if (p := part_of(n)) is not None}
     src_level = vx.index.extract_level
     return SlicePlan(
         src=vx.path,

@@ -10,10 +10,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import gguf
 import numpy as np
+from gguf import MODEL_TENSOR as MT
 
 from larql_edge.errors import SourceError, UnsupportedTensorType
-from larql_edge.format.families import family_by_name
+from larql_edge.format.families import family_by_name, tensor_name
 from larql_edge.tools.slicer.extract._source import ModelSource
 
 # Tensor types we dequantize (the two packaged models use F32, F16, Q8_0, Q5_0, Q4_1, Q4_K, Q6_K).
@@ -37,45 +39,48 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def open_gguf(path: Path) -> ModelSource:
-    import gguf
-
     try:
         reader = gguf.GGUFReader(str(path), "r")
     except Exception as e:  # gguf-py raises ValueError/IndexError/OSError on damaged files
         raise SourceError(f"{path}: truncated or corrupt GGUF ({type(e).__name__}: {e})") from None
 
-    arch = _scalar(reader, "general.architecture")
+    K = gguf.Keys
+    arch = _scalar(reader, K.General.ARCHITECTURE)
     if not isinstance(arch, str):
-        raise SourceError(f"{path}: GGUF has no general.architecture")
+        raise SourceError(f"{path}: GGUF has no {K.General.ARCHITECTURE}")
     fam = family_by_name(arch)
-    p = f"{arch}."
-    n_layers = int(_scalar(reader, p + "block_count"))
-    hidden = int(_scalar(reader, p + "embedding_length"))
-    n_head = int(_scalar(reader, p + "attention.head_count"))
-    n_kv = int(_scalar(reader, p + "attention.head_count_kv", n_head))
-    head_dim = int(_scalar(reader, p + "attention.key_length", hidden // n_head))
+
+    def key(k: str, default: Any = None) -> Any:
+        return _scalar(reader, k.format(arch=arch), default)
+
+    n_layers = int(key(K.LLM.BLOCK_COUNT))
+    hidden = int(key(K.LLM.EMBEDDING_LENGTH))
+    n_head = int(key(K.Attention.HEAD_COUNT))
+    n_kv = int(key(K.Attention.HEAD_COUNT_KV, n_head))
+    head_dim = int(key(K.Attention.KEY_LENGTH, hidden // n_head))
     tensors = {t.name: t for t in reader.tensors}
-    if "token_embd.weight" not in tensors:
-        raise SourceError(f"{path}: GGUF has no token_embd.weight")
-    vocab = int(tensors["token_embd.weight"].shape[-1])
-    tied = "output.weight" not in tensors
+    embd, output, output_norm = (tensor_name(t) for t in (MT.TOKEN_EMBD, MT.OUTPUT, MT.OUTPUT_NORM))
+    if embd not in tensors:
+        raise SourceError(f"{path}: GGUF has no {embd}")
+    vocab = int(tensors[embd].shape[-1])
+    tied = output not in tensors
     cfg: dict[str, Any] = {
         "num_layers": n_layers,
         "hidden_size": hidden,
-        "intermediate_size": int(_scalar(reader, p + "feed_forward_length")),
+        "intermediate_size": int(key(K.LLM.FEED_FORWARD_LENGTH)),
         "vocab_size": vocab,
         "head_dim": head_dim,
         "num_q_heads": n_head,
         "num_kv_heads": n_kv,
-        "rope_base": float(_scalar(reader, p + "rope.freq_base", 10000.0)),
-        "rms_norm_eps": float(_scalar(reader, p + "attention.layer_norm_rms_epsilon", 1e-6)),
-        "max_position_embeddings": _scalar(reader, p + "context_length"),
-        "sliding_window": _scalar(reader, p + "attention.sliding_window"),
-        "final_logit_softcapping": _scalar(reader, p + "final_logit_softcapping"),
-        "attn_logit_softcapping": _scalar(reader, p + "attn_logit_softcapping"),
-        "bos_token_id": _scalar(reader, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": _scalar(reader, "tokenizer.ggml.eos_token_id"),
-        "add_bos_token": bool(_scalar(reader, "tokenizer.ggml.add_bos_token", False)),
+        "rope_base": float(key(K.Rope.FREQ_BASE, 10000.0)),
+        "rms_norm_eps": float(key(K.Attention.LAYERNORM_RMS_EPS, 1e-6)),
+        "max_position_embeddings": key(K.LLM.CONTEXT_LENGTH),
+        "sliding_window": key(K.Attention.SLIDING_WINDOW),
+        "final_logit_softcapping": key(K.LLM.FINAL_LOGIT_SOFTCAPPING),
+        "attn_logit_softcapping": key(K.LLM.ATTN_LOGIT_SOFTCAPPING),
+        "bos_token_id": _scalar(reader, K.Tokenizer.BOS_ID),
+        "eos_token_id": _scalar(reader, K.Tokenizer.EOS_ID),
+        "add_bos_token": bool(_scalar(reader, K.Tokenizer.ADD_BOS, False)),
         "tie_word_embeddings": tied,
     }
     if fam.name == "gemma3":
@@ -86,22 +91,22 @@ def open_gguf(path: Path) -> ModelSource:
         cfg["sliding_window_pattern"] = fam.default_sliding_window_pattern
 
     # Normalized key -> (GGUF tensor, transform)
-    mapping: dict[str, tuple[Any, str]] = {"embed_tokens.weight": (tensors["token_embd.weight"], "")}
-    if "output_norm.weight" in tensors:
-        mapping["norm.weight"] = (tensors["output_norm.weight"], "norm")
+    mapping: dict[str, tuple[Any, str]] = {"embed_tokens.weight": (tensors[embd], "")}
+    if output_norm in tensors:
+        mapping["norm.weight"] = (tensors[output_norm], "norm")
     if not tied:
-        mapping["lm_head.weight"] = (tensors["output.weight"], "")
+        mapping["lm_head.weight"] = (tensors[output], "")
     for layer in range(n_layers):
-        for suffix, key in fam.gguf_layer_tensors.items():
-            t = tensors.get(f"blk.{layer}.{suffix}")
+        for kind, hf_key in fam.gguf_layer_tensors.items():
+            t = tensors.get(tensor_name(kind, layer))
             if t is None:
                 continue
-            how = "norm" if key.endswith("norm.weight") else ""
-            if fam.gguf_permutes_qk and key.endswith("q_proj.weight"):
+            how = "norm" if hf_key.endswith("norm.weight") else ""
+            if fam.gguf_permutes_qk and kind is MT.ATTN_Q:
                 how = "permute_q"
-            elif fam.gguf_permutes_qk and key.endswith("k_proj.weight"):
+            elif fam.gguf_permutes_qk and kind is MT.ATTN_K:
                 how = "permute_k"
-            mapping[f"layers.{layer}.{key}"] = (t, how)
+            mapping[f"layers.{layer}.{hf_key}"] = (t, how)
 
     def get(key: str) -> np.ndarray:
         t, how = mapping[key]
@@ -122,7 +127,7 @@ def open_gguf(path: Path) -> ModelSource:
         return arr
 
     # Fail before any work when a tensor type cannot be handled.
-    for key, (t, _) in mapping.items():
+    for t, _ in mapping.values():
         if t.tensor_type.name not in SUPPORTED_TYPES:
             raise UnsupportedTensorType(f"{path}: tensor {t.name} has unsupported type {t.tensor_type.name}")
 
@@ -136,8 +141,8 @@ def open_gguf(path: Path) -> ModelSource:
             raise SourceError(f"{path}: cannot build the tokenizer ({e})") from None
 
     # A Hub-style short name ("gemma-3-270m"), which titles and families are derived from.
-    base, size = _scalar(reader, "general.basename"), _scalar(reader, "general.size_label")
-    name = f"{base}-{size}".lower() if base and size else (_scalar(reader, "general.name") or path.stem)
+    base, size = _scalar(reader, K.General.BASENAME), _scalar(reader, K.General.SIZE_LABEL)
+    name = f"{base}-{size}".lower() if base and size else (_scalar(reader, K.General.NAME) or path.stem)
     return ModelSource(
         family=fam,
         name=str(name),

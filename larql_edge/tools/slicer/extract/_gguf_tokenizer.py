@@ -34,13 +34,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+import gguf
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers, processors
 from tokenizers.models import BPE
-
-if TYPE_CHECKING:
-    import gguf
 
 __all__ = ["read_gguf_metadata", "tokenizer_from_gguf", "SUPPORTED_TOKENIZER_MODELS"]
 
@@ -48,13 +46,11 @@ log = logging.getLogger(__name__)
 
 SUPPORTED_TOKENIZER_MODELS = ("gpt2", "llama")
 
-# llama.cpp token types (llama_token_type / gguf.TokenType).
-_TT_NORMAL = 1
-_TT_UNKNOWN = 2
-_TT_CONTROL = 3
-_TT_USER_DEFINED = 4
-_TT_UNUSED = 5
-_TT_BYTE = 6
+# llama.cpp token types (llama_token_type), from gguf-py.
+_TT_NORMAL = int(gguf.TokenType.NORMAL)
+_TT_UNKNOWN = int(gguf.TokenType.UNKNOWN)
+_TT_CONTROL = int(gguf.TokenType.CONTROL)
+_TT_USER_DEFINED = int(gguf.TokenType.USER_DEFINED)
 
 _SPIECE_UNDERLINE = "\u2581"
 
@@ -118,12 +114,11 @@ def _post_processor(
     tokens: Sequence[str], bos_id: int | None, eos_id: int | None, add_bos: bool, add_eos: bool
 ) -> processors.PostProcessor | None:
     """``LlamaTokenizerFast``'s template: ``[bos] $A [eos]`` (and ``[bos] $B [eos]`` for pairs)."""
-    add_bos = bool(add_bos) and bos_id is not None
-    add_eos = bool(add_eos) and eos_id is not None
-    if not (add_bos or add_eos):
+    if not ((add_bos and bos_id is not None) or (add_eos and eos_id is not None)):
         return None
-    bos = tokens[bos_id] if add_bos else None
-    eos = tokens[eos_id] if add_eos else None
+    add_bos, add_eos = bool(add_bos) and bos_id is not None, bool(add_eos) and eos_id is not None
+    bos = tokens[bos_id] if bos_id is not None else ""
+    eos = tokens[eos_id] if eos_id is not None else ""
     single: list[str] = []
     pair: list[str] = []
     if add_bos:
@@ -138,9 +133,9 @@ def _post_processor(
     if add_eos:
         pair.append(f"{eos}:1")
     special: list[tuple[str, int]] = []
-    if add_bos:
+    if add_bos and bos_id is not None:
         special.append((bos, bos_id))
-    if add_eos and (not add_bos or eos != bos):
+    if add_eos and eos_id is not None and (not add_bos or eos != bos):
         special.append((eos, eos_id))
     return processors.TemplateProcessing(single=" ".join(single), pair=" ".join(pair), special_tokens=special)
 
@@ -222,7 +217,7 @@ def _spm_merges(
     vocabulary) and one sort of the candidate merges -- linear-ish, not quadratic.
     """
     mergeable = {}
-    for i, (key, kind) in enumerate(zip(keys, types)):
+    for i, (key, kind) in enumerate(zip(keys, types, strict=True)):
         if kind in (_TT_NORMAL, _TT_USER_DEFINED, 0) and key:
             mergeable[key] = i  # last one wins, as in the model's vocabulary dict
     candidates: list[tuple[float, int, float, float, int, str, str]] = []
@@ -342,20 +337,7 @@ def _split_merge(merge: str) -> tuple[str, str]:
 # --------------------------------------------------------------------------------------------------
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable character map."""
-    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, (chr(c) for c in cs)))
-
-
-_BYTE_ENCODER = _bytes_to_unicode()
+_BYTE_ENCODER: dict[int, str] = gguf.bytes_to_unicode()  # the reversible byte -> character map of GPT-2
 _BYTE_LEVEL_ALPHABET = frozenset(_BYTE_ENCODER.values())
 
 _LLAMA3_SPLIT = (
@@ -445,7 +427,7 @@ def _byte_level_tokenizer(meta: Mapping[str, Any]) -> Tokenizer:
     eos_id = _opt_id(meta, "eos_token_id", n)
     # A token llama.cpp respelled is a byte sequence, not a marker: registering it as an added token
     # would give it a second id, so only tokens already in byte-level spelling are registered.
-    raw_ok = {k for k, t in zip(keys, raw_tokens) if k == t}
+    raw_ok = {k for k, t in zip(keys, raw_tokens, strict=True) if k == t}
     control_types = [
         t if (t != _TT_CONTROL or keys[i] in raw_ok) else _TT_NORMAL for i, t in enumerate(types)
     ]

@@ -110,7 +110,7 @@ def open_hf(folder: Path) -> ModelSource:
     }
     if fam.name == "gemma3":
         conf["query_pre_attn_scalar"] = cfg.get("query_pre_attn_scalar", head_dim)
-        conf["rope_local_base"] = float(local_base or fam.default_rope_local_base)
+        conf["rope_local_base"] = float(local_base or fam.default_rope_local_base or 10000.0)
         conf["sliding_window_pattern"] = cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern")
         if cfg.get("layer_types"):
             conf["layer_types"] = list(cfg["layer_types"])

