@@ -1,6 +1,6 @@
-"""What the two small HTTP/1.1 clients of the hot path share (app/client/_http.py, synchronous, for
-the attention-only client; app/router/h1pool.py, asyncio, for the router): their errors, the reply
-they return, and how both describe a failure in one line."""
+"""What the two small HTTP/1.1 clients of the hot path share (``h1_sync``, synchronous, for the
+attention-only client; ``h1_async``, asyncio, for the router): their errors, the reply they return,
+the bound on a reply's size, and how both describe a failure in one line."""
 
 from __future__ import annotations
 
@@ -21,7 +21,24 @@ class TimedOut(TransportError):
 
 
 class ConnectionLost(TransportError):
-    pass
+    """The connection broke before the whole reply arrived (reset, or closed mid-reply)."""
+
+
+class ProtocolError(TransportError):
+    """The reply is not HTTP/1.1 we can read: a malformed status line, header or chunk framing,
+    an invalid Content-Length, or a head larger than the clients accept."""
+
+
+class ReplyTooLarge(ProtocolError):
+    """The reply's body is larger than the client's ``max_body``; nothing past the bound was read."""
+
+
+# A prefill of a few thousand tokens of a large model stays far below this (the FFN server caps a
+# request body at the same size); anything bigger is a member's mistake, not something to buffer.
+DEFAULT_MAX_BODY = 256 << 20
+# Longest status line or header line, and most header lines, that the clients accept.
+MAX_HEAD_LINE = 64 << 10
+MAX_HEADERS = 100
 
 
 @dataclass
@@ -43,6 +60,10 @@ def describe(e: TransportError) -> str:
         return "connection refused or unreachable"
     if isinstance(e, TimedOut):
         return "timed out"
+    if isinstance(e, ReplyTooLarge):
+        return "reply too large"
+    if isinstance(e, ProtocolError):
+        return "malformed reply"
     return "connection lost"
 
 
