@@ -41,9 +41,9 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-from larql_edge.wire import ffn as ffn_wire  # noqa: E402
+from larql_edge.wire import ffn as ffn_wire
 
 HIDDEN = 640
 BIG = 64 << 10
@@ -206,8 +206,10 @@ def sync_clients(url: str, path: str, body: bytes) -> dict:
 class HttptoolsPool:
     """A minimal keep-alive client: asyncio.Protocol transports, replies parsed by httptools (llhttp).
 
-    Only what the benchmark needs (POST, Content-Length or chunked replies, no TLS, no HEAD); it
-    is here to tell whether a maintained parser under our own pool would be worth having."""
+    Only what the benchmark needs (POST, Content-Length or chunked replies, a timeout; no TLS, no
+    HEAD, no retry); it is here to tell whether a maintained parser under our own pool would be
+    worth having. (httptools cannot be told that a reply answers a HEAD, and has no "end of
+    input" call for close-delimited bodies: a full client would work around both.)"""
 
     class Proto(asyncio.Protocol):
         def __init__(self):
@@ -254,7 +256,8 @@ class HttptoolsPool:
             f"{k}: {v}\r\n" for k, v in headers.items()) + f"content-length: {len(body)}\r\n\r\n"
         p.waiter = asyncio.get_running_loop().create_future()
         p.transport.write(head.encode("latin-1") + body)
-        _, content, keep = await p.waiter
+        async with asyncio.timeout(30):  # a bound on the reply, as every other client here has
+            _, content, keep = await p.waiter
         if keep:
             self.idle.append(p)
         else:

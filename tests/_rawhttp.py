@@ -22,6 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Self
 
 
 @dataclass
@@ -44,7 +45,7 @@ def reply(status: int = 200, body: bytes = b"", headers: Iterable[tuple[str, str
 
 @dataclass
 class RawConn:
-    server: "RawServer"
+    server: RawServer
     sock: socket.socket
     index: int
     buf: bytearray = field(default_factory=bytearray)
@@ -52,7 +53,7 @@ class RawConn:
     def _fill(self) -> bool:
         try:
             data = self.sock.recv(65536)
-        except (socket.timeout, OSError):
+        except (TimeoutError, OSError):
             return False
         if not data:
             return False
@@ -114,7 +115,7 @@ class RawServer:
         self._conns: list[RawConn] = []
         self._threads: list[threading.Thread] = []
 
-    def __enter__(self) -> "RawServer":
+    def __enter__(self) -> Self:
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.sock.settimeout(0.05)
         self.port = self.sock.getsockname()[1]
@@ -128,7 +129,7 @@ class RawServer:
         while not self.stopping.is_set():
             try:
                 s, _ = self.sock.accept()
-            except (socket.timeout, OSError):
+            except (TimeoutError, OSError):
                 continue
             s.settimeout(self.io_timeout)
             with self.lock:

@@ -423,9 +423,8 @@ def test_malformed_head_is_a_protocol_error(client, raw):
 ], ids=["header-line-100KB", "150-headers", "status-line-100KB"])
 def test_oversize_head_is_a_protocol_error(client, head):
     c = client()
-    with RawServer(each_request(lambda req, conn: head)) as srv:
-        with pytest.raises(ProtocolError):
-            c.request("GET", srv.url + "/x")
+    with RawServer(each_request(lambda req, conn: head)) as srv, pytest.raises(ProtocolError):
+        c.request("GET", srv.url + "/x")
 
 
 @pytest.mark.parametrize("raw", [
@@ -445,9 +444,8 @@ def test_malformed_framing_is_a_protocol_error_without_waiting(client, raw, requ
     # raises for a connection closed mid-chunk: the sync client cannot say more than "lost".
     sync_chunk = request.node.callspec.params["client"] == "sync" and b"chunked" in raw
     c = client(timeout=3.0)
-    with RawServer(script) as srv:
-        with pytest.raises(ConnectionLost if sync_chunk else ProtocolError):  # not TimedOut
-            c.request("GET", srv.url + "/x")
+    with RawServer(script) as srv, pytest.raises(ConnectionLost if sync_chunk else ProtocolError):  # not TimedOut
+        c.request("GET", srv.url + "/x")
 
 
 @pytest.mark.parametrize("raw", [

@@ -36,9 +36,6 @@ class ReplyTooLarge(ProtocolError):
 # A prefill of a few thousand tokens of a large model stays far below this (the FFN server caps a
 # request body at the same size); anything bigger is a member's mistake, not something to buffer.
 DEFAULT_MAX_BODY = 256 << 20
-# Longest status line or header line, and most header lines, that the clients accept.
-MAX_HEAD_LINE = 64 << 10
-MAX_HEADERS = 100
 
 
 @dataclass

@@ -11,7 +11,7 @@ traffic, which is not on the hot path.)
 The members are our own servers speaking HTTP/1.1 with Content-Length, but every framing a server
 may use is read: Content-Length, chunked (extensions and trailers), close-delimited bodies,
 HEAD/204/304 without a body, interim 1xx replies. Anything else is a ``ProtocolError``; the head is
-bounded (``MAX_HEAD_LINE`` a line, ``MAX_HEADERS`` lines) and the body by ``max_body``.
+bounded (``MAX_HEAD`` bytes, ``MAX_HEADERS`` lines) and the body by ``max_body``.
 """
 
 from __future__ import annotations
@@ -23,8 +23,6 @@ from urllib.parse import urlsplit
 
 from larql_edge.service.h1 import (
     DEFAULT_MAX_BODY,
-    MAX_HEAD_LINE,
-    MAX_HEADERS,
     ConnectFailed,
     ConnectionLost,
     ProtocolError,
@@ -35,6 +33,9 @@ from larql_edge.service.h1 import (
 
 PIECE = 64 << 10  # close-delimited bodies are read in pieces, so the size bound stops early
 _HEX = b"0123456789abcdefABCDEF"
+# Largest reply head (status line and headers) read; also the longest chunk size or trailer line.
+MAX_HEAD = 64 << 10
+MAX_HEADERS = 100  # as http.client (the sync client) accepts
 
 
 @lru_cache(maxsize=1024)
@@ -63,7 +64,7 @@ class _Conn:
     def close(self) -> None:
         try:
             self.writer.close()
-        except Exception:  # noqa: BLE001 - closing a broken transport must never raise
+        except Exception:  # noqa: BLE001, S110 - closing a broken transport must never raise
             pass
 
 
@@ -87,10 +88,10 @@ class H1Pool:
         try:
             reader, writer = await asyncio.wait_for(
                 asyncio.open_connection(host, port, ssl=self._ssl if scheme == "https" else None,
-                                        limit=MAX_HEAD_LINE),
+                                        limit=MAX_HEAD),
                 self.connect_timeout,
             )
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise TimedOut(f"connect to {host}:{port} timed out") from None
         except OSError as e:
             raise ConnectFailed(f"connect to {host}:{port}: {e.strerror or e}") from None
@@ -127,7 +128,8 @@ class H1Pool:
                 conn = await self._open(host, port, scheme)
             try:
                 conn.writer.write(raw)
-                reply, keep = await asyncio.wait_for(self._read(conn.reader, method, limit), wait)
+                async with asyncio.timeout(wait):  # no extra task per request, unlike wait_for
+                    reply, keep = await self._read(conn.reader, method, limit)
             except _NothingReceived:
                 conn.close()
                 # A kept-alive connection the server closed while idle, crossing our request:
@@ -136,7 +138,7 @@ class H1Pool:
                 if reused:
                     continue
                 raise ConnectionLost(f"{url}: connection closed before a reply") from None
-            except asyncio.TimeoutError:
+            except TimeoutError:  # before OSError, of which it is a subclass
                 conn.close()
                 raise TimedOut(f"{url}: no reply within {wait:g}s") from None
             except ProtocolError as e:
@@ -161,7 +163,7 @@ class H1Pool:
 
     async def _read(self, reader: asyncio.StreamReader, method: str, limit: int) -> tuple[Reply, bool]:
         try:
-            first = await reader.readuntil(b"\r\n")
+            head = await reader.readuntil(b"\r\n\r\n")
         except asyncio.IncompleteReadError as e:
             if not e.partial:
                 raise _NothingReceived from None
@@ -169,12 +171,10 @@ class H1Pool:
         except (ConnectionResetError, ConnectionAbortedError, BrokenPipeError):
             raise _NothingReceived from None
         except asyncio.LimitOverrunError:
-            raise ProtocolError(f"status line longer than {MAX_HEAD_LINE} bytes") from None
-        while True:
-            status, version, headers = await self._head(reader, first)
-            if not 100 <= status < 200 or status == 101:
-                break
-            first = await self._line(reader, "status line")  # an interim reply: the real one follows
+            raise ProtocolError(f"reply head larger than {MAX_HEAD} bytes") from None
+        status, version, headers = _parse_head(head)
+        while 100 <= status < 200 and status != 101:  # an interim reply: the real one follows
+            status, version, headers = _parse_head(await self._until(reader, b"\r\n\r\n", "reply head"))
         keep = version == "HTTP/1.1" and "close" not in _tokens(headers.get("connection", ""))
         if method == "HEAD" or status in (204, 304) or 100 <= status < 200:
             return Reply(status, headers, b""), keep
@@ -192,35 +192,18 @@ class H1Pool:
             body, keep = await self._until_close(reader, limit), False
         return Reply(status, headers, body), keep
 
-    async def _head(self, reader: asyncio.StreamReader, first: bytes) -> tuple[int, str, dict[str, str]]:
-        version, _, rest = first.decode("latin-1").rstrip("\r\n").partition(" ")
-        code = rest[:3]
-        if (version not in ("HTTP/1.1", "HTTP/1.0") or len(code) != 3 or not (code.isascii() and code.isdigit())
-                or rest[3:4] not in ("", " ")):
-            raise ProtocolError(f"malformed status line {first[:80]!r}")
-        headers: dict[str, str] = {}
-        for _ in range(MAX_HEADERS + 1):
-            line = await self._line(reader, "header line")
-            if line == b"\r\n":
-                return int(code), version, headers
-            name, colon, value = line.decode("latin-1").partition(":")
-            if not colon or not name or name != name.strip():
-                raise ProtocolError(f"malformed header line {line[:80]!r}")
-            headers[name.lower()] = value.strip()
-        raise ProtocolError(f"more than {MAX_HEADERS} header lines")
-
     @staticmethod
-    async def _line(reader: asyncio.StreamReader, what: str) -> bytes:
+    async def _until(reader: asyncio.StreamReader, separator: bytes, what: str) -> bytes:
         try:
-            return await reader.readuntil(b"\r\n")
+            return await reader.readuntil(separator)
         except asyncio.LimitOverrunError:
-            raise ProtocolError(f"{what} longer than {MAX_HEAD_LINE} bytes") from None
+            raise ProtocolError(f"{what} larger than {MAX_HEAD} bytes") from None
 
     async def _chunked(self, reader: asyncio.StreamReader, limit: int) -> bytes:
         parts: list[bytes] = []
         total = 0
         while True:
-            line = await self._line(reader, "chunk size line")
+            line = await self._until(reader, b"\r\n", "chunk size line")
             size_text = line.split(b";", 1)[0].strip()  # chunk extensions are ignored
             if not size_text or size_text.strip(_HEX) or len(size_text) > 16:
                 raise ProtocolError(f"malformed chunk size line {line[:40]!r}")
@@ -234,7 +217,7 @@ class H1Pool:
             if await reader.readexactly(2) != b"\r\n":
                 raise ProtocolError("chunk data not followed by CRLF")
         for _ in range(MAX_HEADERS + 1):  # trailer fields, read and dropped, up to the blank line
-            if await self._line(reader, "trailer line") == b"\r\n":
+            if await self._until(reader, b"\r\n", "trailer line") == b"\r\n":
                 return b"".join(parts)
         raise ProtocolError(f"more than {MAX_HEADERS} trailer lines")
 
@@ -254,6 +237,25 @@ class H1Pool:
             for conn in pool:
                 conn.close()
         self._idle.clear()
+
+
+def _parse_head(head: bytes) -> tuple[int, str, dict[str, str]]:
+    """Status, version and headers (lower-case names) of a head that ends with a blank line."""
+    lines = head[:-4].decode("latin-1").split("\r\n")
+    version, _, rest = lines[0].partition(" ")
+    code = rest[:3]
+    if (version not in ("HTTP/1.1", "HTTP/1.0") or len(code) != 3 or not (code.isascii() and code.isdigit())
+            or rest[3:4] not in ("", " ")):
+        raise ProtocolError(f"malformed status line {lines[0][:80]!r}")
+    if len(lines) > MAX_HEADERS + 1:
+        raise ProtocolError(f"more than {MAX_HEADERS} header lines")
+    headers: dict[str, str] = {}
+    for line in lines[1:]:
+        name, colon, value = line.partition(":")
+        if not colon or not name or name != name.strip():  # also a folded (continued) line
+            raise ProtocolError(f"malformed header line {line[:80]!r}")
+        headers[name.lower()] = value.strip()
+    return int(code), version, headers
 
 
 def _tokens(value: str) -> list[str]:

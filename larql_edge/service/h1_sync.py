@@ -125,12 +125,12 @@ class HttpClient:
                 if reused and attempt == 0:
                     continue
                 raise ConnectionLost(f"{url}: connection closed before a reply ({type(e).__name__})") from None
-            except BaseException as e:
+            except BaseException as e:  # noqa: BLE001 - whatever it was, the connection's state is unknown
                 self._drop(c)
                 raise self._mapped(e, url) from None
             try:
                 body = self._body(r, limit, url)
-            except BaseException as e:
+            except BaseException as e:  # noqa: BLE001
                 self._drop(c)  # the rest of the reply is unread: the connection cannot be reused
                 raise self._mapped(e, url) from None
             if r.will_close:
@@ -141,7 +141,7 @@ class HttpClient:
     def _connect(self, c: http.client.HTTPConnection, url: str) -> None:
         try:
             c.connect()
-        except (socket.timeout, TimeoutError):
+        except TimeoutError:
             self._drop(c)
             raise TimedOut(f"{url}: connect timed out") from None
         except OSError as e:
