@@ -42,7 +42,7 @@ COPY wheelhouse/larql_edge-*.whl /tmp/larql-wheel/
 RUN /opt/larql/bin/pip install --no-index --no-deps --no-cache-dir /tmp/larql-wheel/*.whl \
  && rm -rf /tmp/larql-wheel \
  && /opt/larql/bin/pip check \
- && /opt/larql/bin/python -c "import numpy, tokenizers, sanic, larql_edge.roles.embed.app, larql_edge.roles.ffn.server, larql_edge.roles.router.server, larql_edge.tools.slicer.cli"
+ && /opt/larql/bin/python -c "import numpy, tokenizers, sanic, larql_edge.roles.embed.app, larql_edge.roles.ffn.app, larql_edge.roles.router.app, larql_edge.tools.slicer.cli"
 COPY docker/roles/ /usr/local/bin/
 # One BLAS thread per process: roles share machines, and oversubscription makes a forward pass
 # 20-37x slower (DESIGN.md §7). LARQL_BLAS_THREADS is the roles' own twin of the same setting;

@@ -234,8 +234,15 @@ class ConnectionLost(TransportError):
     kind = "connection_lost"
 
 
-class ReplyTooLarge(TransportError):
-    """A reply larger than the caller's bound: read no further."""
+class MalformedReply(TransportError):
+    """The reply is not HTTP/1.1 we can read: a malformed status line, header or chunk framing, an
+    invalid Content-Length, or a head larger than the clients accept."""
+
+    kind = "malformed_reply"
+
+
+class ReplyTooLarge(MalformedReply):
+    """The reply's body is larger than the caller's ``max_body``; nothing past the bound was read."""
 
     kind = "reply_too_large"
 

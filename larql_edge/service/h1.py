@@ -1,15 +1,20 @@
-"""What the two small HTTP/1.1 clients of the hot path share (app/client/_http.py, synchronous, for
-the attention-only client; app/router/h1pool.py, asyncio, for the router): their errors, the reply
-they return, and how both describe a failure in one line."""
+"""What the two small HTTP/1.1 clients of the hot path share (``h1_sync``, synchronous, for the
+attention-only client; ``h1_async``, asyncio, for the router): their errors, the reply they return,
+the bound on a reply's size, and how both describe a failure in one line."""
 
 from __future__ import annotations
 
 import json as jsonlib
 from dataclasses import dataclass
 
-from larql_edge.errors import ConnectFailed, ConnectionLost, TimedOut, TransportError
+from larql_edge.errors import ConnectFailed, ConnectionLost, MalformedReply, ReplyTooLarge, TimedOut, TransportError
 
-__all__ = ["ConnectFailed", "ConnectionLost", "Reply", "TimedOut", "TransportError", "describe", "error_text"]
+__all__ = ["ConnectFailed", "ConnectionLost", "DEFAULT_MAX_BODY", "MalformedReply", "Reply", "ReplyTooLarge", "TimedOut",
+           "TransportError", "describe", "error_text"]
+
+# A prefill of a few thousand tokens of a large model stays far below this (the FFN server caps a
+# request body at the same size); anything bigger is a member's mistake, not something to buffer.
+DEFAULT_MAX_BODY = 256 << 20
 
 
 @dataclass
@@ -31,6 +36,10 @@ def describe(e: TransportError) -> str:
         return "connection refused or unreachable"
     if isinstance(e, TimedOut):
         return "timed out"
+    if isinstance(e, ReplyTooLarge):
+        return "reply too large"
+    if isinstance(e, MalformedReply):
+        return "malformed reply"
     return "connection lost"
 
 

@@ -1,8 +1,9 @@
 """Requests from the router to members, with outcome bookkeeping and failover between replicas.
 
-A member "failed" when it cannot be reached, times out, or answers 5xx: the registry cools it
-down and the request is retried on another replica. A 4xx is the caller's mistake and goes back
-to the caller as it is (retrying it elsewhere would fail the same way).
+What counts as a member's failure is `larql_edge.service.failures` (shared with the client): a
+failure cools the member down in the registry (eviction follows if it keeps failing) and raises
+`MemberFailed`, so the caller retries on another replica; the caller's own mistakes come back as
+replies. Replies are bounded in size (an oversize one is the member's failure, read no further).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import logging
 import time
 
 from larql_edge.roles.router.registry import Member, Registry
+from larql_edge.service.failures import is_member_failure
 from larql_edge.service.h1 import Reply, TransportError, describe, error_text
 from larql_edge.service.h1_async import H1Pool
 
@@ -28,10 +30,11 @@ class MemberFailed(Exception):
 
 
 class Upstream:
-    def __init__(self, registry: Registry, timeout: float, metrics=None):
+    def __init__(self, registry: Registry, timeout: float, metrics=None, max_reply: int = 64 << 20):
         self.registry = registry
         # Connect fails fast on loopback/LAN (refused or unreachable); reads may take a long prefill.
         self.pool = H1Pool(timeout=timeout, connect_timeout=min(2.0, timeout))
+        self.max_reply = max_reply
         self.metrics = metrics
         self.inflight = 0  # requests to members awaiting their reply (larql_router_inflight)
 
@@ -39,14 +42,15 @@ class Upstream:
         await self.pool.aclose()
 
     async def send(self, m: Member, method: str, path: str, *, content: bytes | None = None,
-                   headers: dict[str, str] | None = None, params: str = "") -> Reply:
-        """One request to one member; raises MemberFailed for a failure that another replica may not have."""
+                   headers: dict[str, str] | None = None, params: str = "", proxied: bool = False) -> Reply:
+        """One request to one member: a success or the caller's mistake comes back; anything else
+        raises MemberFailed (a failure another replica may not have)."""
         url = m.url + path + (f"?{params}" if params else "")
         m.inflight += 1
         self.inflight += 1
         t0 = time.perf_counter()
         try:
-            r = await self.pool.request(method, url, content=content, headers=headers)
+            r = await self.pool.request(method, url, content=content, headers=headers, max_body=self.max_reply)
         except TransportError as e:
             self._failed(m, f"{type(e).__name__}")
             raise MemberFailed(m, f"{m.url}: {describe(e)}") from None
@@ -56,11 +60,16 @@ class Upstream:
         dt = time.perf_counter() - t0
         if self.metrics is not None:
             self.metrics.upstream.labels(m.capability).observe(dt)
-        if r.status_code >= 500:
+        if is_member_failure(r.status_code, proxied):
             self._failed(m, str(r.status_code))
             raise MemberFailed(m, f"{m.url}: HTTP {r.status_code} {error_text(r, 200)}".rstrip())
         self.registry.succeeded(m, dt * 1e3)
         return r
+
+    def malformed(self, m: Member, why: str) -> MemberFailed:
+        """A reply with a good status and a bad body is the member's failure too."""
+        self._failed(m, "malformed")
+        return MemberFailed(m, f"{m.url}: {why}")
 
     def _failed(self, m: Member, why: str) -> None:
         self.registry.failed(m)
