@@ -298,8 +298,12 @@ topologySpreadConstraints:
       - {key: {{ $v.gridKey.key }}, path: grid-key}
 {{- end }}
 {{- if .preset }}
+{{- $vol := $v.model.hub.volume | default (dict "emptyDir" (dict "sizeLimit" $v.model.hub.volumeSizeLimit)) }}
+{{- if ne (len $vol) 1 }}
+{{- fail (printf "model.hub.volume must hold exactly one volume source (emptyDir, ephemeral, persistentVolumeClaim, ...), got: %s" (keys $vol | sortAlpha | join ", ")) }}
+{{- end }}
 - name: vindex
-  {{- toYaml $v.model.hub.volume | nindent 2 }}
+  {{- toYaml $vol | nindent 2 }}
 {{- if $v.model.hub.tokenSecret.name }}
 - name: hf-token
   secret:
