@@ -538,14 +538,14 @@ BAD_VALUES = {
     "fewer layers than the ranges": ({"model": {"numLayers": 12}}, '"9-17" goes beyond the model: model.numLayers is 12'),
     "reversed": (_ranges("8-0", "9-17"), '"8-0" starts after it ends'),
     "not a range": (_ranges("0-8", "nine"), "does not match pattern"),
-    "no ranges": ({"ffn": {"ranges": []}}, "ranges"),
+    "no ranges": ({"ffn": {"ranges": []}}, "at '/ffn/ranges': minItems: got 0, want 1"),
     "duplicate names": ({"ffn": {"ranges": [{"layers": "0-8", "name": "a"}, {"layers": "9-17", "name": "a"}]}},
                         'two ranges are named "a"'),
     "misspelled key": ({"ffn": {"replica": 3}}, "additional properties 'replica' not allowed"),
     "no grid key secret": ({"gridKey": {"existingSecret": ""}}, "gridKey.existingSecret is empty"),
     "hub without repo": ({"model": {"source": "hub"}}, "model.hub.repo is empty"),
     "two volume sources": ({"model": {"source": "hub", "hub": {"repo": "a/b", "volume": {"emptyDir": {}, "ephemeral": {}}}}},
-                           "volume"),
+                           "at '/model/hub/volume': maxProperties: got 2, want 1"),
     "unknown edge": ({"edge": {"type": "squid"}}, "/edge/type': value must be one of 'nginx', 'varnish'"),
     "hpa min above max": ({"ffn": {"autoscaling": {"enabled": True, "minReplicas": 5, "maxReplicas": 2,
                                                    "metric": "larql_ffn_inflight", "targetAverageValue": "4"}}},
@@ -584,7 +584,7 @@ def test_documented_secret_commands_make_the_secrets_the_chart_mounts(tools):
     import yaml
 
     readme = (CHART / "README.md").read_text()
-    commands = re.findall(r"^kubectl create secret generic (\S+) (--from-literal=\S+)", readme, re.M)
+    commands = re.findall(r"^kubectl (?:-n \S+ )?create secret generic (\S+) (--from-literal=\S+)", readme, re.M)
     assert len(commands) >= 2, "the README shows how to create both Secrets"
     made = {}
     for name, literal in commands:
