@@ -595,3 +595,35 @@ def test_documented_secret_commands_make_the_secrets_the_chart_mounts(tools):
         made[name] = set(yaml.safe_load(proc.stdout)["data"])
     assert made["larql-grid-key"] == {"grid-key"}
     assert made["larql-hf-token"] == {"token"}
+
+
+# ---- the helm test script, run for real against a grid on loopback -------------------------------
+
+def test_helm_test_script_predicts_through_a_real_grid_with_the_charts_ranges(rendered, gemma_f16, tmp_path):
+    """What `helm test` runs, against real processes: a router, an embed server and one FFN shard
+    per range of the default values (LARQL_LAYERS as rendered), Gemma 3 270M. Only the addresses
+    differ from a cluster (loopback instead of the headless Service)."""
+    from tests import _grid
+
+    objs = rendered["default"]
+    ranges = [env_of(pod_spec(d)["containers"][0])["LARQL_LAYERS"] for d in ffn_deployments(objs)]
+    scripts = named(objs, "ConfigMap", f"{RELEASE}-larql-grid-tests")["data"]
+    for file, source in scripts.items():
+        (tmp_path / file).write_text(source)
+    pod = named(objs, "Pod", f"{RELEASE}-larql-grid-test-predict")
+    (c,) = pod["spec"]["containers"]
+    assert c["command"][-1] == "/tests/predict.py"
+    (tmp_path / "logs").mkdir()
+    with _grid.Procs(tmp_path / "logs") as procs:
+        grid = _grid.start_grid(procs, gemma_f16, ranges, timeout=300)
+        env = _grid.child_env(**{**env_of(c), "LARQL_FFN": grid["router"].url, "LARQL_VINDEX": str(gemma_f16),
+                                 "LARQL_CACHE_DIR": str(tmp_path / "cache"), "LARQL_TEST_WAIT": "60"})
+        proc = subprocess.run([sys.executable, str(tmp_path / "predict.py")], capture_output=True, text=True,
+                              timeout=600, env=env, stdin=subprocess.DEVNULL)
+        assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}\n{procs.logs()[-4000:]}"
+        assert "grid complete" in proc.stdout and "'Paris'" in proc.stdout, proc.stdout
+        # The same script fails (not hangs) when the expected token is not there.
+        env["LARQL_TEST_EXPECT"] = "Zyzzyva"
+        bad = subprocess.run([sys.executable, str(tmp_path / "predict.py")], capture_output=True, text=True,
+                             timeout=600, env=env, stdin=subprocess.DEVNULL)
+        assert bad.returncode != 0 and "'Zyzzyva' is not among the top 10" in bad.stderr
