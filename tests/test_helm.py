@@ -17,8 +17,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -525,6 +527,17 @@ def test_helm_test_pods_predict_through_the_routers_and_complete_through_serve(r
     assert int(named(objs, "ConfigMap", f"{RELEASE}-larql-grid-tests")["metadata"]["annotations"]["helm.sh/hook-weight"]) < 0
 
 
+def test_notes_list_every_range_and_how_to_check_the_grid(tools):
+    """`helm install --dry-run=client` renders NOTES.txt without a cluster."""
+    out = helm(tools, "install", RELEASE, str(CHART), "--namespace", NAMESPACE, "--dry-run=client",
+               "-f", str(EXAMPLES / "three-ranges.yaml")).stdout
+    notes = out[out.index("NOTES:"):]
+    for line in ("ffn      layers 0-5, 2 replica(s)", "ffn      layers 6-11, 2 replica(s)",
+                 "ffn      layers 12-17 (HPA 2-6)", "edge     varnish",
+                 f"http://{RELEASE}-larql-grid-router.{NAMESPACE}.svc:9090", f"helm test {RELEASE} -n {NAMESPACE} --logs"):
+        assert line in notes, notes
+
+
 # ---- values that must not render -----------------------------------------------------------------
 
 def _ranges(*specs):
@@ -627,3 +640,280 @@ def test_helm_test_script_predicts_through_a_real_grid_with_the_charts_ranges(re
         bad = subprocess.run([sys.executable, str(tmp_path / "predict.py")], capture_output=True, text=True,
                              timeout=600, env=env, stdin=subprocess.DEVNULL)
         assert bad.returncode != 0 and "'Zyzzyva' is not among the top 10" in bad.stderr
+
+
+# ---- the rendered pods, run for real in Docker ----------------------------------------------------
+#
+# No kubelet here, so a small translation runs each rendered pod as Docker would run it under a
+# kubelet: the same image, command/args (Kubernetes semantics over the image's ENTRYPOINT/CMD),
+# environment ($(POD_IP) expanded in the container, as the kubelet does from status.podIP), user,
+# group (fsGroup), read-only root filesystem, dropped capabilities, no-new-privileges, memory limit;
+# emptyDirs as fresh host folders, Secrets and the ConfigMap as read-only files with their modes.
+# Service names become Docker network aliases: every router carries the headless Service's name,
+# which Docker's DNS then resolves to all of them, as the cluster DNS does. Probes are polled with
+# the rendered paths and budgets; preStop is the rendered command run with `docker exec`.
+# serve is left out: its image (larql-serve) is not built yet.
+
+DOCKER_GRID_KEY = "larql-helm-docker-grid-key-7d41"
+DOCKER_VALUES = {"serve": {"enabled": False}, "embed": {"replicas": 1}, "edge": {"replicas": 1},
+                 "ffn": {"replicas": 1, "ranges": [{"layers": "0-8"}, {"layers": "9-17"}]}}
+QUANTITY = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30}
+
+
+def _bytes(q: str) -> int:
+    m = re.fullmatch(r"(\d+)(Ki|Mi|Gi)?", str(q))
+    assert m, f"unexpected quantity {q}"
+    return int(m[1]) * QUANTITY.get(m[2], 1)
+
+
+def _docker(*args: str, timeout: float = 120, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run(["docker", *args], capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"docker {' '.join(args[:3])} ... failed: {proc.stderr[-2000:]}")
+    return proc
+
+
+class DockerPods:
+    """Rendered pods as Docker containers on one network; everything removed on close."""
+
+    def __init__(self, objs: list[dict], root: Path):
+        from tests import _docker as dk
+
+        self.dk, self.objs, self.root = dk, objs, root
+        self.network = f"{dk.PREFIX}-helm"
+        self.names: list[str] = []
+        _docker("network", "create", "--label", f"{dk.LABEL}={dk.SESSION}", self.network)
+        self.secrets = {"larql-grid-key": {"grid-key": DOCKER_GRID_KEY}}
+        self.config_maps = {o["metadata"]["name"]: o["data"] for o in of_kind(objs, "ConfigMap")}
+
+    def close(self) -> None:
+        for name in reversed(self.names):
+            _docker("rm", "-f", "-v", name, check=False)
+        _docker("network", "rm", self.network, check=False)
+
+    def _files(self, folder: Path, files: dict[str, str], mode: int, gid: int) -> None:
+        folder.mkdir(parents=True)
+        for path, text in files.items():
+            (folder / path).write_text(text)
+            os.chown(folder / path, 0, gid)
+            os.chmod(folder / path, mode)
+        folder.chmod(0o755)
+
+    def start(self, obj: dict, name: str, aliases: list[str]) -> str:
+        spec = pod_spec(obj)
+        (c,) = spec["containers"]
+        psc, csc = spec["securityContext"], c["securityContext"]
+        uid, gid = csc.get("runAsUser", psc["runAsUser"]), csc.get("runAsGroup", psc["runAsGroup"])
+        fs_group = psc["fsGroup"]
+        assert csc["readOnlyRootFilesystem"] and csc["capabilities"]["drop"] == ["ALL"]
+        args = ["run", "-d", "--name", f"{self.dk.PREFIX}-{name}", "--label", f"{self.dk.LABEL}={self.dk.SESSION}",
+                "--network", self.network, "--user", f"{uid}:{gid}", "--group-add", str(fs_group),
+                "--read-only", "--cap-drop", "ALL", "--security-opt", "no-new-privileges"]
+        for a in aliases:
+            args += ["--network-alias", a]
+        limit = c.get("resources", {}).get("limits", {}).get("memory")
+        if limit:
+            args += ["--memory", str(_bytes(limit))]
+        volumes = {v["name"]: v for v in spec.get("volumes", [])}
+        for m in c.get("volumeMounts", []):
+            vol = volumes[m["name"]]
+            host = self.root / name / m["name"]
+            if "emptyDir" in vol:  # a fresh, group-writable folder, as the kubelet makes with fsGroup
+                host.mkdir(parents=True)
+                os.chown(host, 0, fs_group)
+                host.chmod(0o2777)
+            elif "secret" in vol:
+                data = self.secrets[vol["secret"]["secretName"]]
+                self._files(host, {i["path"]: data[i["key"]] for i in vol["secret"]["items"]},
+                            vol["secret"]["defaultMode"], fs_group)
+            elif "configMap" in vol:
+                self._files(host, self.config_maps[vol["configMap"]["name"]], 0o644, fs_group)
+            else:
+                raise AssertionError(f"no Docker twin for volume {vol}")
+            args += ["-v", f"{host}:{m['mountPath']}:{'ro' if m.get('readOnly') else 'rw'}"]
+        for p in c.get("ports", []):
+            args += ["-p", f"127.0.0.1::{p['containerPort']}"]
+        config = json.loads(_docker("image", "inspect", "-f", "{{json .Config}}", c["image"]).stdout)
+        argv = (c.get("command") or config["Entrypoint"] or []) + (c.get("args") or ([] if c.get("command") else config["Cmd"] or []))
+        exports = []
+        for e in c.get("env", []):
+            if "valueFrom" in e:
+                assert e["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}, e
+                exports.append(f'{e["name"]}=$(hostname -i | cut -d" " -f1); export {e["name"]}')
+            elif "$(" in e["value"]:
+                value = re.sub(r"\$\((\w+)\)", r"${\1}", e["value"])
+                exports.append(f'export {e["name"]}="{value}"')
+            else:
+                args += ["-e", f"{e['name']}={e['value']}"]
+        if exports:  # the kubelet's $(VAR) expansion, done by a shell in the container
+            argv = ["sh", "-c", "; ".join(exports) + '; exec "$@"', "pod", *argv]
+        args += ["--entrypoint", argv[0], c["image"], *argv[1:]]
+        _docker(*args)
+        self.names.append(f"{self.dk.PREFIX}-{name}")
+        return f"{self.dk.PREFIX}-{name}"
+
+    def url(self, name: str, port: int) -> str:
+        out = _docker("port", name, f"{port}/tcp").stdout.split()[0]
+        return f"http://{out}"
+
+    def logs(self, name: str) -> str:
+        p = _docker("logs", "--tail", "80", name, check=False)
+        return p.stdout + p.stderr
+
+    def state(self, name: str) -> dict:
+        return json.loads(_docker("inspect", "-f", "{{json .State}}", name).stdout)
+
+    def probe(self, name: str, container: dict, kind: str, budget: float) -> None:
+        """Poll a rendered probe until it succeeds, as the kubelet would, within ``budget`` seconds."""
+        import httpx
+
+        spec = container[f"{kind}Probe"]
+        port = container["ports"][0]["containerPort"]
+        deadline = time.monotonic() + budget
+        last = None
+        while True:
+            st = self.state(name)
+            if not st["Running"]:
+                raise AssertionError(f"{name} stopped ({st.get('ExitCode')}, OOM {st.get('OOMKilled')}):\n{self.logs(name)}")
+            try:
+                if "httpGet" in spec:
+                    r = httpx.get(self.url(name, port) + spec["httpGet"]["path"], timeout=spec["timeoutSeconds"])
+                    if r.status_code == 200:
+                        return
+                    last = f"HTTP {r.status_code}"
+                else:
+                    host, p = self.url(name, port).removeprefix("http://").rsplit(":", 1)
+                    with socket.create_connection((host, int(p)), timeout=spec["timeoutSeconds"]):
+                        return
+            except (httpx.HTTPError, OSError) as e:
+                last = str(e)
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{name}: {kind} probe not passing after {budget:.0f}s ({last}):\n{self.logs(name)}")
+            time.sleep(min(spec["periodSeconds"], 2))
+
+
+@pytest.fixture(scope="module")
+def docker_grid(tools, tmp_path_factory):
+    """The default chart (serve off, one pod per role but two routers) running in Docker."""
+    from tests import _docker as dk
+
+    dk.require_engine()
+    objs = render(tools, values={**DOCKER_VALUES, "image": {"tag": dk.TAG}})
+    for role in ("router", "ffn", "embed", "client", "edge"):
+        if _docker("image", "inspect", dk.image(role), check=False).returncode != 0:
+            dk.build_images()  # CI builds them before the tests; this only runs on a bare machine
+            break
+    pods = DockerPods(objs, tmp_path_factory.mktemp("pods"))
+    svc = lambda suffix: f"{RELEASE}-larql-grid-{suffix}.{NAMESPACE}.svc"  # noqa: E731
+    started: dict[str, tuple[str, dict]] = {}
+    try:
+        router = named(objs, "Deployment", f"{RELEASE}-larql-grid-router")
+        for i in range(router["spec"]["replicas"]):
+            started[f"router-{i}"] = (pods.start(router, f"router-{i}", [svc("router-headless"), svc("router")]), router)
+        embed = named(objs, "Deployment", f"{RELEASE}-larql-grid-embed")
+        started["embed"] = (pods.start(embed, "embed", [svc("embed")]), embed)
+        for dep in ffn_deployments(objs):
+            layers = dep["spec"]["selector"]["matchLabels"][LAYERS]
+            started[f"ffn-{layers}"] = (pods.start(dep, f"ffn-{layers}", []), dep)
+        edge = named(objs, "Deployment", f"{RELEASE}-larql-grid-edge")
+        started["edge"] = (pods.start(edge, "edge", [svc("edge")]), edge)
+        for key, (name, dep) in started.items():
+            c = pod_spec(dep)["containers"][0]
+            budget = c["startupProbe"]["periodSeconds"] * c["startupProbe"]["failureThreshold"]
+            pods.probe(name, c, "startup", budget)
+        for key, (name, dep) in started.items():
+            c = pod_spec(dep)["containers"][0]
+            pods.probe(name, c, "readiness", 300)
+            pods.probe(name, c, "liveness", c["livenessProbe"]["periodSeconds"] * c["livenessProbe"]["failureThreshold"])
+        yield {"pods": pods, "objs": objs, "started": started}
+    finally:
+        pods.close()
+
+
+def _grid_view(url: str) -> dict:
+    import httpx
+
+    return httpx.get(url + "/v1/grid", timeout=5).json()
+
+
+@pytest.mark.docker
+def test_docker_pods_pass_their_probes_under_the_pods_security_context(docker_grid):
+    pods, started = docker_grid["pods"], docker_grid["started"]
+    for key, (name, dep) in started.items():
+        inspect = json.loads(_docker("inspect", "-f", "{{json .}}", name).stdout)
+        assert inspect["HostConfig"]["ReadonlyRootfs"] is True
+        assert inspect["Config"]["User"] == "10001:10001"
+        assert not any(DOCKER_GRID_KEY in e for e in inspect["Config"]["Env"]), f"{key}: the key is in the env"
+        assert DOCKER_GRID_KEY not in pods.logs(name), f"{key} logged the grid key"
+
+
+@pytest.mark.docker
+def test_docker_members_join_every_router_through_the_headless_name(docker_grid):
+    pods, started = docker_grid["pods"], docker_grid["started"]
+    routers = [pods.url(name, 9090) for key, (name, _) in started.items() if key.startswith("router-")]
+    assert len(routers) == 2
+    deadline = time.monotonic() + 60
+    while True:
+        views = [_grid_view(u) for u in routers]
+        members = [sorted((m["capability"], str(m["layers"]), m["url"]) for m in v["members"])
+                   for v in views]
+        if all(v["complete"] and v["embed"] >= 1 and len(v["members"]) == 3 for v in views) and members[0] == members[1]:
+            break
+        if time.monotonic() > deadline:
+            raise AssertionError(f"routers disagree or are incomplete after 60s: {views}")
+        time.sleep(1)
+    # Members announce their pod IP ($(POD_IP), expanded in the container), not a name.
+    assert all(re.fullmatch(r"http://\d+\.\d+\.\d+\.\d+:(8080|8082)", m[2]) for m in members[0]), members[0]
+
+
+def _run_test_pod(docker_grid, name: str) -> tuple[int, str]:
+    pods, objs = docker_grid["pods"], docker_grid["objs"]
+    pod = named(objs, "Pod", f"{RELEASE}-larql-grid-test-predict")
+    cname = pods.start(pod, name, [])
+    try:
+        code = int(_docker("wait", cname, timeout=600).stdout.strip())
+        return code, pods.logs(cname)
+    finally:
+        _docker("rm", "-f", cname, check=False)
+        pods.names.remove(cname)
+
+
+@pytest.mark.docker
+def test_docker_helm_test_pod_predicts_and_survives_a_router_loss(docker_grid):
+    code, logs = _run_test_pod(docker_grid, "test-predict")
+    assert code == 0 and "'Paris'" in logs, logs
+    # One router gone: the headless name now resolves to the other; the prediction still works.
+    name, _ = docker_grid["started"]["router-0"]
+    _docker("kill", name)
+    code, logs = _run_test_pod(docker_grid, "test-predict-2")
+    assert code == 0 and "'Paris'" in logs, logs
+
+
+@pytest.mark.docker
+def test_docker_edge_caches_rows_with_a_read_only_root(docker_grid):
+    import httpx
+
+    pods = docker_grid["pods"]
+    name, _ = docker_grid["started"]["edge"]
+    url = pods.url(name, 8080) + "/v1/embed/42"
+    first = httpx.get(url, timeout=30)
+    second = httpx.get(url, timeout=30)
+    assert first.status_code == 200 and second.status_code == 200, first.text
+    assert (first.headers["X-Cache"], second.headers["X-Cache"]) == ("MISS", "HIT")
+    assert first.content == second.content and len(first.content) == 640 * 4
+
+
+@pytest.mark.docker
+def test_docker_prestop_leaves_the_grid_and_drains(docker_grid):
+    import httpx
+
+    pods, started = docker_grid["pods"], docker_grid["started"]
+    name, dep = started["ffn-9-17"]
+    (c,) = pod_spec(dep)["containers"]
+    proc = _docker("exec", name, *c["lifecycle"]["preStop"]["exec"]["command"], timeout=120, check=False)
+    assert proc.returncode == 0, f"preStop failed ({proc.returncode}): {proc.stdout}{proc.stderr}"
+    assert httpx.get(pods.url(name, 8080) + "/v1/ready", timeout=5).status_code == 503
+    ip = _docker("inspect", "-f", "{{range .NetworkSettings.Networks}}{{.IPAddress}}{{end}}", name).stdout.strip()
+    view = _grid_view(pods.url(started["router-1"][0], 9090))
+    assert f"http://{ip}:8080" not in [m["url"] for m in view["members"]], view["members"]
+    assert not view["complete"], "layers 9-17 had one replica: the grid must say it is incomplete"
