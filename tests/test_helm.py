@@ -5,8 +5,11 @@ extracts from its PyPI wheel), the JSON schemas of Kubernetes 1.33 and 1.37 with
 checking (kubernetes-validate), kubectl's client-side Secret rendering. On top, invariants of the
 rendered objects that no schema knows: layer coverage, probes, PDBs, spread, rollout, preStop,
 security, secrets only as files, HPAs, NetworkPolicies, metrics; and bad values that must fail the
-render with a clear message. What this cannot show (scheduling, probes firing, policies enforced,
-the HPA scaling) is listed in the chart's README, "Validated here only statically".
+render with a clear message. Then, for real: the helm test script against a loopback grid of the
+chart's ranges, and (marked docker) the rendered pods run as Docker containers with their security
+context, probes, secrets as files, headless-name joins, the helm test pod and the preStop. What
+this cannot show (scheduling, the kubelet, policies enforced, the HPA scaling) is listed in the
+chart's README, "Validated here only statically".
 
 The tools come from scripts/install-k8s-tools (idempotent); if it cannot install them the tests
 skip, except under CI, where that is a failure.
@@ -734,7 +737,7 @@ class DockerPods:
         for p in c.get("ports", []):
             args += ["-p", f"127.0.0.1::{p['containerPort']}"]
         config = json.loads(_docker("image", "inspect", "-f", "{{json .Config}}", c["image"]).stdout)
-        argv = (c.get("command") or config["Entrypoint"] or []) + (c.get("args") or ([] if c.get("command") else config["Cmd"] or []))
+        argv = (c.get("command") or config.get("Entrypoint") or []) + (c.get("args") or ([] if c.get("command") else config.get("Cmd") or []))
         exports = []
         for e in c.get("env", []):
             if "valueFrom" in e:
