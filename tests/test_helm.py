@@ -23,6 +23,7 @@ import re
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -83,22 +84,25 @@ def helm(tools, *args: str, check: bool = True) -> subprocess.CompletedProcess:
     return proc
 
 
-def template_args(files=(), values: dict | None = None, kube_version: str = K8S_VERSIONS[0]) -> list[str]:
+def template(tools, files=(), values: dict | None = None, kube_version: str = K8S_VERSIONS[0],
+             check: bool = True) -> subprocess.CompletedProcess:
+    """`helm template` of the chart with values files and (as a JSON values file) a dict of values."""
     args = ["template", RELEASE, str(CHART), "--namespace", NAMESPACE, "--kube-version", kube_version]
     for f in files:
         args += ["-f", str(f)]
-    if values is not None:
-        # --set cannot express lists of objects; a JSON file is a values file too.
-        path = Path(f"/tmp/larql-helm-values-{os.getpid()}-{abs(hash(json.dumps(values, sort_keys=True)))}.json")
-        path.write_text(json.dumps(values))
-        args += ["-f", str(path)]
-    return args
+    with tempfile.TemporaryDirectory(prefix="larql-helm-values-") as folder:
+        if values is not None:
+            # --set cannot express lists of objects; a JSON file is a values file too.
+            path = Path(folder) / "values.json"
+            path.write_text(json.dumps(values))
+            args += ["-f", str(path)]
+        return helm(tools, *args, check=check)
 
 
 def render(tools, files=(), values: dict | None = None, kube_version: str = K8S_VERSIONS[0]) -> list[dict]:
     import yaml
 
-    out = helm(tools, *template_args(files, values, kube_version)).stdout
+    out = template(tools, files, values, kube_version).stdout
     return [d for d in yaml.safe_load_all(out) if d]
 
 
@@ -572,7 +576,7 @@ BAD_VALUES = {
 @pytest.mark.parametrize("case", BAD_VALUES)
 def test_bad_values_fail_the_render_with_a_clear_message(tools, case):
     values, message = BAD_VALUES[case]
-    proc = helm(tools, *template_args(values=values), check=False)
+    proc = template(tools, values=values, check=False)
     assert proc.returncode != 0, f"{case}: rendered anyway"
     assert message in proc.stderr, f"{case}: {proc.stderr[-2000:]}"
     assert "nil pointer" not in proc.stderr and "panic" not in proc.stderr
