@@ -22,6 +22,13 @@ def ann(url, start=0, end=3, cap="ffn", model="m", n=4, hidden=8):
                                "hidden_size": hidden, "layer_start": start, "layer_end": end, "vindex_hash": "h"})
 
 
+def join(reg, a):
+    """Join and keep the member token on the member (as the member itself would)."""
+    m, token = reg.join(a)
+    m.test_token = token
+    return m
+
+
 @pytest.fixture
 def reg():
     clock = Clock()
@@ -31,45 +38,66 @@ def reg():
 
 
 def test_join_heartbeat_and_eviction(reg):
-    a = reg.join(ann("http://a:1", 0, 1))
-    b = reg.join(ann("http://b:1", 2, 3))
+    a = join(reg, ann("http://a:1", 0, 1))
+    b = join(reg, ann("http://b:1", 2, 3))
     assert reg.view()["complete"] and reg.view()["gaps"] == []
     reg.clock_obj.t += 2.0
-    assert reg.heartbeat(Load(member_id=a.id, inflight=2, rss_bytes=5, layer_latency_ms={0: 1.5})) is a
+    assert reg.heartbeat(Load(member_id=a.id, member_token=a.test_token, inflight=2, rss_bytes=5,
+                              layer_latency_ms={0: 1.5})) is a
     assert a.reported_inflight == 2 and a.layer_latency_ms == {0: 1.5}
     reg.clock_obj.t += 1.5  # b silent for 3.5 s > 3 intervals; a for 1.5 s
     evicted = reg.evict_stale()
     assert [m.id for m in evicted] == [b.id]
     v = reg.view()
     assert v["gaps"] == ["2-3"] and not v["complete"]
-    assert reg.heartbeat(Load(member_id=b.id)) is None  # the router forgot it: it must join again
+    assert reg.heartbeat(Load(member_id=b.id, member_token=b.test_token)) is None  # forgotten: join again
 
 
-def test_rejoin_at_same_url_replaces(reg):
-    a1 = reg.join(ann("http://a:1"))
-    a2 = reg.join(ann("http://a:1"))
+def test_a_live_members_url_cannot_be_taken(reg):
+    """A key holder cannot replace a member by joining with its URL; once it is evicted, it can rejoin."""
+    a1 = join(reg, ann("http://a:1"))
+    with pytest.raises(Conflict, match="already has the URL"):
+        join(reg, ann("http://a:1"))
+    reg.clock_obj.t += 3.5
+    reg.evict_stale()
+    a2 = join(reg, ann("http://a:1"))
     assert a1.id != a2.id and list(reg.members) == [a2.id]
 
 
-def test_leave(reg):
-    a = reg.join(ann("http://a:1"))
-    assert reg.leave(a.id) and not reg.leave(a.id)
+def test_heartbeat_and_leave_need_the_members_token(reg):
+    from larql_edge.errors import Forbidden
+
+    a = join(reg, ann("http://a:1"))
+    for token in ("", "someone-elses", a.test_token[:-1]):
+        with pytest.raises(Forbidden):
+            reg.heartbeat(Load(member_id=a.id, member_token=token))
+        with pytest.raises(Forbidden):
+            reg.leave(a.id, token)
+    assert reg.leave(a.id, a.test_token) is a and reg.leave(a.id, a.test_token) is None
     assert reg.members == {}
 
 
+def test_join_bounds_keep_the_router_responsive():
+    """num_layers = 2**40 once kept a router at 100% CPU forever: the protocol bounds it."""
+    for bad in ({"num_layers": 2**40}, {"layer_end": 5000, "num_layers": 4096}, {"hidden_size": 2**30}):
+        with pytest.raises(ProtocolError):
+            Announce.from_json({"capability": "ffn", "public_url": "http://a:1", "model": "m", "num_layers": 4,
+                                "layer_start": 0, "layer_end": 3} | bad)
+
+
 def test_model_mismatch_is_conflict(reg):
-    reg.join(ann("http://a:1"))
+    join(reg, ann("http://a:1"))
     with pytest.raises(Conflict):
-        reg.join(ann("http://b:1", model="other"))
+        join(reg, ann("http://b:1", model="other"))
     with pytest.raises(Conflict):
-        reg.join(ann("http://b:1", hidden=16))
+        join(reg, ann("http://b:1", hidden=16))
     with pytest.raises(Conflict):
-        reg.join(ann("http://b:1", end=5, n=6))
+        join(reg, ann("http://b:1", end=5, n=6))
 
 
 def test_best_replica_and_failover(reg):
-    a = reg.join(ann("http://a:1"))
-    b = reg.join(ann("http://b:1"))
+    a = join(reg, ann("http://a:1"))
+    b = join(reg, ann("http://b:1"))
     a.inflight = 3
     assert reg.ffn_candidates(0)[0] is b  # less outstanding work wins
     a.inflight = 0
@@ -83,14 +111,14 @@ def test_best_replica_and_failover(reg):
 
 
 def test_ties_rotate_between_replicas(reg):
-    reg.join(ann("http://a:1"))
-    reg.join(ann("http://b:1"))
+    join(reg, ann("http://a:1"))
+    join(reg, ann("http://b:1"))
     firsts = {reg.ffn_candidates(0)[0].url for _ in range(4)}
     assert firsts == {"http://a:1", "http://b:1"}
 
 
 def test_cooldown_grows(reg):
-    a = reg.join(ann("http://a:1"))
+    a = join(reg, ann("http://a:1"))
     reg.failed(a)
     first = a.down_until - reg.clock_obj.t
     reg.failed(a)
@@ -98,8 +126,8 @@ def test_cooldown_grows(reg):
 
 
 def test_assign_groups_layers_on_few_members(reg):
-    reg.join(ann("http://a:1", 0, 1))
-    reg.join(ann("http://b:1", 2, 3))
+    join(reg, ann("http://a:1", 0, 1))
+    join(reg, ann("http://b:1", 2, 3))
     groups, missing = reg.assign([0, 1, 2, 3, 1])
     assert missing == []
     by_url = {reg.members[mid].url: pos for mid, pos in groups.items()}
@@ -114,18 +142,18 @@ def test_static_members_never_evicted(reg):
     s = reg.add_static("ffn", "http://s:1/", LayerRange(0, 3))
     reg.clock_obj.t += 1000
     assert reg.evict_stale() == [] and s.url == "http://s:1"
-    assert reg.heartbeat(Load(member_id=s.id)) is None and not reg.leave(s.id)
+    assert reg.heartbeat(Load(member_id=s.id)) is None and reg.leave(s.id, "") is None
 
 
 def test_embed_members(reg):
-    e = reg.join(ann("http://e:1", cap="embed"))
+    e = join(reg, ann("http://e:1", cap="embed"))
     assert e.layers is None and not e.serves(0)
     assert reg.embed_candidates() == [e] and reg.view()["embed"] == 1
 
 
 def test_coverage_runs(reg):
-    reg.join(ann("http://a:1", 0, 3))
-    reg.join(ann("http://b:1", 2, 3))
+    join(reg, ann("http://a:1", 0, 3))
+    join(reg, ann("http://b:1", 2, 3))
     assert reg.view()["coverage"] == [{"layers": "0-1", "replicas": 1}, {"layers": "2-3", "replicas": 2}]
 
 

@@ -12,7 +12,7 @@ Public surface:
 """
 
 from ._app import make_app
-from ._bodies import BINARY_KIND, JSON_KIND, body_kind, content_type, json_body, json_object, parse_json
+from ._bodies import BINARY_KIND, JSON_KIND, body_kind, content_type, json_body, json_object, parse_json, read_body
 from ._compute import Compute
 from ._envelope import error_response, install_error_envelope
 from ._ops import Hooks
@@ -22,5 +22,5 @@ from .serving import add_server_flags, pin_blas, serve, setup_logging
 __all__ = [
     "BINARY_KIND", "JSON_KIND", "Compute", "Hooks", "Metrics", "add_server_flags", "body_kind", "content_type",
     "error_response", "install_error_envelope", "json_body", "json_object", "make_app", "parse_json", "pin_blas",
-    "serve", "setup_logging",
+    "read_body", "serve", "setup_logging",
 ]  # fmt: skip

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from larql_edge.errors import BadRequest, UnsupportedMediaType
+from larql_edge.errors import BadRequest, PayloadTooLarge, UnsupportedMediaType
 from larql_edge.wire import BINARY, JSON
 
 BINARY_TYPES = frozenset({BINARY, "application/octet-stream", ""})
@@ -73,3 +73,17 @@ def json_object(request, max_depth: int = MAX_JSON_DEPTH) -> dict:
     if not isinstance(obj, dict):
         raise BadRequest("the JSON body must be an object")
     return obj
+
+
+async def read_body(request, limit: int) -> bytes:
+    """The body of a streaming route (``stream=True``), read only up to ``limit`` bytes: a route that
+    checks credentials from the headers first never waits for, or buffers, a large body."""
+    length = request.headers.get("content-length")
+    if length is not None and (not length.isdigit() or int(length) > limit):
+        raise PayloadTooLarge(f"a body of {length[:20]} bytes; this route takes at most {limit}")
+    body = bytearray()
+    while (chunk := await request.stream.read()) is not None:
+        body += chunk
+        if len(body) > limit:
+            raise PayloadTooLarge(f"a body over {limit} bytes; this route takes at most {limit}")
+    return bytes(body)

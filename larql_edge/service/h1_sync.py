@@ -69,8 +69,10 @@ class _Connection(http.client.HTTPConnection):
         self.sock = _DeadlineSocket(s.family, s.type, s.proto, fileno=s.detach())
 
     def start(self, timeout: float, deadline: float) -> None:
-        self.sock.settimeout(timeout)  # sending
-        self.sock.deadline = deadline  # receiving
+        sock = self.sock
+        assert isinstance(sock, _DeadlineSocket)  # connect() made it one
+        sock.settimeout(timeout)  # sending
+        sock.deadline = deadline  # receiving
 
 
 class _TlsConnection(http.client.HTTPSConnection):
@@ -91,14 +93,13 @@ class HttpClient:
         self.timeout = timeout
         self.connect_timeout = min(connect_timeout, timeout)
         self.max_body = max_body
-        self._conns: dict[tuple[str, str, int], http.client.HTTPConnection] = {}
+        self._conns: dict[tuple[str, str, int], _Connection | _TlsConnection] = {}
 
-    def _conn(self, scheme: str, host: str, port: int) -> http.client.HTTPConnection:
+    def _conn(self, scheme: str, host: str, port: int) -> _Connection | _TlsConnection:
         key = (scheme, host, port)
         c = self._conns.get(key)
         if c is None:
-            cls = _TlsConnection if scheme == "https" else _Connection
-            c = self._conns[key] = cls(host, port, self.connect_timeout)
+            c = self._conns[key] = (_TlsConnection if scheme == "https" else _Connection)(host, port, self.connect_timeout)
         return c
 
     def request(self, method: str, url: str, content: bytes | None = None,

@@ -168,6 +168,10 @@ class RouterLink:
         if r.status_code == 401:
             log.error("the router at %s refused the grid key (401); check --grid-key", self.router)
             raise _Refused
+        if r.status_code == 409 and "already has the URL" in _error_text(r):
+            # Our previous life's entry: it is evicted soon, then the next join goes through.
+            log.warning("the router at %s still holds this URL from an earlier join; retrying", self.router)
+            raise _Busy
         log.error("the router at %s refused the join: %s %s", self.router, r.status_code, _error_text(r))
         return False
 
@@ -175,7 +179,7 @@ class RouterLink:
         d = self._body()
         load = {k: d[k] for k in ("inflight", "layer_latency_ms", "rss_bytes") if k in d}
         r = await self._post(HEARTBEAT, {**self._credentials(), **load})
-        if r.status_code in (403, 404):
+        if r.status_code in (403, 404):  # forgotten (404), or another member now holds this id (403)
             log.warning("the router at %s no longer knows this member; joining again", self.router)
             self.member_id = self.member_token = None
         elif r.status_code == 401:
@@ -201,6 +205,8 @@ class RouterLink:
                     delay = RETRY_FIRST_S
                 except _Refused:
                     wait = REFUSED_RETRY_S
+                except _Busy:
+                    wait = self.interval
                 except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
                     if not self._warned:
                         log.warning("router %s unreachable (%s); retrying", self.router, type(e).__name__)
@@ -279,6 +285,10 @@ class Membership:
 
 class _Refused(Exception):
     """Control flow inside a link's loop: the router refused our key."""
+
+
+class _Busy(Exception):
+    """Control flow inside a link's loop: the router still has our URL from an earlier join."""
 
 
 def _error_text(r: httpx.Response) -> str:

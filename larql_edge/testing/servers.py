@@ -25,6 +25,9 @@ from larql_edge.tools.grid.supervisor import Role, Supervisor, free_port, role_e
 
 # Tests build several apps of the same role in one process; Sanic refuses duplicate names otherwise.
 Sanic.test_mode = True
+# Sanic compiles its router when a server starts. CPython 3.11 (before 3.11.8, gh-106905) can fail
+# compiles run in two threads at once ("AST constructor recursion depth mismatch"): one at a time.
+_STARTING = threading.Lock()
 
 
 class ServerThread:
@@ -35,31 +38,44 @@ class ServerThread:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.ready_timeout = ready_timeout
-        self.loop = asyncio.new_event_loop()
+        self.loop: asyncio.AbstractEventLoop | None = None  # made (and closed) by the server's own thread
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self._server: Any = None
         self._thread = threading.Thread(target=self._run, name=f"server-{app.name}", daemon=True)
 
     def _run(self) -> None:
-        asyncio.set_event_loop(self.loop)
+        self.loop = loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(loop)
 
         async def main() -> None:
-            self._server = await self.app.create_server(host="127.0.0.1", port=self.port,
-                                                        return_asyncio_server=True, access_log=False)
-            await self._server.startup()
+            with _STARTING:
+                self._server = await self.app.create_server(host="127.0.0.1", port=self.port,
+                                                            return_asyncio_server=True, access_log=False)
+                await self._server.startup()
             await self._server.before_start()
             await self._server.after_start()
             self._ready.set()
             await self._server.serve_forever()
 
         try:
-            self.loop.run_until_complete(main())
+            loop.run_until_complete(main())
         except asyncio.CancelledError:
             pass
         except BaseException as e:  # reported to the starting thread
             self._error = e
             self._ready.set()
+        finally:
+            # Whatever is left (a cancelled task's last step, async generators) runs, then the loop
+            # and its sockets close: a leaked one would be finalised later, at a random moment.
+            try:
+                pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
+                for t in pending:
+                    t.cancel()
+                loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+                loop.run_until_complete(loop.shutdown_asyncgens())
+            finally:
+                loop.close()
 
     def start(self) -> "ServerThread":
         self._thread.start()
@@ -82,12 +98,13 @@ class ServerThread:
                 if task is not asyncio.current_task():
                     task.cancel()
 
+        assert self.loop is not None
         asyncio.run_coroutine_threadsafe(shutdown(), self.loop).result(15)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(15)
+        self._thread.join(15)  # serve_forever was cancelled: the thread closes its loop and ends
 
     def run(self, coro, timeout: float = 30.0):
         """Run a coroutine on the server's loop (to poke at app state the way a handler would)."""
+        assert self.loop is not None, "the server is not running"
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     def __enter__(self) -> "ServerThread":

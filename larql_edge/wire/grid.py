@@ -2,10 +2,16 @@
 
 Members authenticate with the grid key as a bearer token (``Authorization: Bearer KEY``).
 
-- ``POST /v1/grid/join``      `Announce` as JSON -> ``{"member_id", "heartbeat_interval_s", "evict_after_s"}``
-- ``POST /v1/grid/heartbeat`` `Load` as JSON -> ``{"ok": true}``; 404 when the router does not know
-  the member (it restarted, or evicted it): the member then joins again.
-- ``POST /v1/grid/leave``     ``{"member_id"}`` -> ``{"ok": true}`` (a clean shutdown; eviction covers the rest)
+- ``POST /v1/grid/join``      `Announce` as JSON -> ``{"member_id", "member_token", "heartbeat_interval_s",
+  "evict_after_s"}``. The router first probes the announced URL (``/v1/health``, ``/v1/stats``) and
+  refuses a member that is not what it announces; a URL a live member already has is refused too.
+- ``POST /v1/grid/heartbeat`` `Load` (with ``member_token``) as JSON -> ``{"ok": true}``; 404 when the
+  router does not know the member (it restarted, or evicted it): the member then joins again.
+- ``POST /v1/grid/leave``     ``{"member_id", "member_token"}`` -> ``{"ok": true}`` (a clean shutdown;
+  eviction covers the rest).
+
+The member token is what makes a member's heartbeats and leave its own: the grid key lets anyone
+holding it join, but not speak for a member it did not start (README, "Trust").
 """
 
 from __future__ import annotations
@@ -19,6 +25,11 @@ JOIN = "/v1/grid/join"
 HEARTBEAT = "/v1/grid/heartbeat"
 LEAVE = "/v1/grid/leave"
 CAPABILITIES = ("ffn", "embed")
+# Bounds of what a member may announce: a model has at most this many layers (as many as one FFN
+# request may name), a width at most this; the router iterates over layers, so they must be bounded.
+MAX_LAYERS = 4096
+MAX_HIDDEN = 1 << 20
+MAX_INFLIGHT = 1 << 20
 
 
 def _str(obj: dict, key: str, required: bool = True, limit: int = 512) -> str:
@@ -30,12 +41,12 @@ def _str(obj: dict, key: str, required: bool = True, limit: int = 512) -> str:
     return v
 
 
-def _int(obj: dict, key: str, required: bool = True, minimum: int = 0) -> int | None:
+def _int(obj: dict, key: str, required: bool = True, minimum: int = 0, maximum: int = 1 << 40) -> int | None:
     v = obj.get(key)
     if v is None and not required:
         return None
-    if isinstance(v, bool) or not isinstance(v, int) or v < minimum or v > 1 << 40:
-        raise ProtocolError(f'"{key}" must be an integer >= {minimum}')
+    if isinstance(v, bool) or not isinstance(v, int) or v < minimum or v > maximum:
+        raise ProtocolError(f'"{key}" must be an integer from {minimum} to {maximum}')
     return v
 
 
@@ -74,10 +85,10 @@ class Announce:
             capability=cap,
             public_url=check_url(_str(obj, "public_url", limit=2048)),
             model=_str(obj, "model"),
-            num_layers=_int(obj, "num_layers", required=False, minimum=1),
-            hidden_size=_int(obj, "hidden_size", required=False, minimum=1),
-            layer_start=_int(obj, "layer_start", required=cap == "ffn"),
-            layer_end=_int(obj, "layer_end", required=cap == "ffn"),
+            num_layers=_int(obj, "num_layers", required=cap == "ffn", minimum=1, maximum=MAX_LAYERS),
+            hidden_size=_int(obj, "hidden_size", required=False, minimum=1, maximum=MAX_HIDDEN),
+            layer_start=_int(obj, "layer_start", required=cap == "ffn", maximum=MAX_LAYERS - 1),
+            layer_end=_int(obj, "layer_end", required=cap == "ffn", maximum=MAX_LAYERS - 1),
             vindex_hash=_str(obj, "vindex_hash", required=False, limit=128),
         )
         if cap == "ffn":
@@ -92,6 +103,7 @@ class Announce:
 @dataclass(frozen=True)
 class Load:
     member_id: str
+    member_token: str = field(default="", repr=False)
     inflight: int = 0
     rss_bytes: int = 0
     layer_latency_ms: dict[int, float] = field(default_factory=dict)
@@ -101,20 +113,20 @@ class Load:
         if not isinstance(obj, dict):
             raise ProtocolError("the heartbeat body must be a JSON object")
         lat = obj.get("layer_latency_ms") or {}
-        if not isinstance(lat, dict) or len(lat) > 4096:
+        if not isinstance(lat, dict) or len(lat) > MAX_LAYERS:
             raise ProtocolError('"layer_latency_ms" must be an object {layer: ms}')
         parsed: dict[int, float] = {}
         for k, v in lat.items():
-            try:
-                layer = int(k)
-            except (TypeError, ValueError):
-                raise ProtocolError(f'"layer_latency_ms" key {k!r} is not a layer number') from None
+            if not (isinstance(k, str) and k.isdigit() and int(k) < MAX_LAYERS):
+                raise ProtocolError(f'"layer_latency_ms" key {str(k)[:20]!r} is not a layer number')
+            layer = int(k)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 <= v < 1e9):
                 raise ProtocolError(f'"layer_latency_ms" value for layer {k} must be a number >= 0')
             parsed[layer] = float(v)
         return cls(
             member_id=_str(obj, "member_id", limit=64),
-            inflight=_int(obj, "inflight", required=False) or 0,
+            member_token=_str(obj, "member_token", required=False, limit=128),
+            inflight=_int(obj, "inflight", required=False, maximum=MAX_INFLIGHT) or 0,
             rss_bytes=_int(obj, "rss_bytes", required=False) or 0,
             layer_latency_ms=parsed,
         )

@@ -30,8 +30,8 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
           'or shards by layer range "0-8=URL,9-17=URL"')
     f.switch("--ffn-f16", help="ask for f16 FFN replies (half the bytes; not bit-exact)")
     f.add("--timeout", type=float, default=30.0, help="seconds to wait for one remote reply")
-    f.add("--retries", type=int, default=4, help="attempts beyond the first for a failed remote request "
-          "(on the next replica, with exponential backoff)")
+    f.add("--retries", type=int, default=10, help="attempts beyond the first for a failed remote request "
+          "(on the next replica, with exponential backoff capped at 2 s: ~15 s in all by default)")
 
 
 def load_tokenizer(vx: Vindex):

@@ -4,26 +4,32 @@ that proxies one), the FFN of each layer from shards (or a router).
 They plug into `larql_edge.model.forward.Transformer` in place of the local providers, so the client runs
 the very same attention, norm and residual code as the single-process forward: exactness follows.
 
-Failures: a request that cannot reach a replica, times out, or gets a 5xx is retried on the next
-replica serving the same thing, with exponential backoff, a bounded number of times; then it is a
-`RemoteError` naming the layer and what was tried. A 4xx is never retried (it is our mistake).
-A layer that no target serves is an error at once: never zeros.
+Failures (`larql_edge.service.failures`, the same rules as the router's): a request that cannot
+reach a replica, times out, gets a malformed reply or any status but a success or the caller's
+mistake (400, 413) is retried on the next replica serving the same thing, with exponential backoff
+capped at 2 s, a bounded number of times (the default, 10, spans ~15 s: long enough for a router to
+restart and its members to rejoin); then it is a `RemoteError` naming the layer and what was tried.
+The caller's mistake is never retried. A layer that no target serves is an error at once: never zeros.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 
 from larql_edge.errors import RemoteError, WireError
 from larql_edge.format.layers import LayerRange
+from larql_edge.service.failures import is_caller_mistake, is_success
 from larql_edge.service.h1 import Reply, TransportError, describe, error_text
 from larql_edge.service.h1_sync import HttpClient
 from larql_edge.wire import embed as embed_wire
 from larql_edge.wire import ffn as ffn_wire
+
+T = TypeVar("T")
 
 BACKOFF_FIRST_S = 0.1
 BACKOFF_MAX_S = 2.0
@@ -71,7 +77,10 @@ class Replicas:
         self.failovers = 0
 
     def request(self, urls: Sequence[str], method: str, path: str, *, content: bytes | None = None,
-                headers: dict[str, str] | None = None, about: str = "") -> Reply:
+                headers: dict[str, str] | None = None, about: str = "",
+                decode: Callable[[Reply], T] = lambda r: r) -> T:  # type: ignore[assignment,return-value]
+        """The first replica's decoded reply. ``decode`` raises `WireError` (or `RemoteError`) for a
+        reply it cannot use: like a timeout, that is the replica's failure, and the next one is tried."""
         key = tuple(urls)
         first = self._preferred.get(key)
         order = list(urls)
@@ -87,13 +96,18 @@ class Replicas:
             except TransportError as e:
                 reasons.append(f"{url}: {describe(e)}")
             else:
-                if r.status_code < 400:
-                    self._preferred[key] = url
-                    return r
-                msg = error_text(r)
-                if r.status_code < 500:
-                    raise RemoteError(f"{self.what} {url}{path}{about}: HTTP {r.status_code}: {msg}")
-                reasons.append(f"{url}: HTTP {r.status_code} {msg}".rstrip())
+                if is_success(r.status_code):
+                    try:
+                        value = decode(r)
+                    except (WireError, RemoteError) as e:
+                        reasons.append(f"{url}: unusable reply ({e})")
+                    else:
+                        self._preferred[key] = url
+                        return value
+                elif is_caller_mistake(r.status_code):  # every replica would say the same: never retried
+                    raise RemoteError(f"{self.what} {url}{path}{about}: HTTP {r.status_code}: {error_text(r)}")
+                else:
+                    reasons.append(f"{url}: HTTP {r.status_code} {error_text(r)}".rstrip())
             self.failovers += 1
             if attempt < self.retries:
                 time.sleep(delay)
@@ -109,15 +123,15 @@ class RemoteEmbed:
         self.replicas, self.urls, self.hidden = replicas, list(urls), hidden
 
     def embed(self, ids: Sequence[int]) -> np.ndarray:
-        r = self.replicas.request(self.urls, "POST", "/v1/embed", content=embed_wire.encode_embed_request(ids),
-                                  headers={"content-type": ffn_wire.CONTENT_TYPE, "accept": ffn_wire.CONTENT_TYPE})
-        try:
+        def decode(r: Reply) -> np.ndarray:
             rows = embed_wire.decode_embed_response(r.content)
-        except WireError as e:
-            raise RemoteError(f"embed server sent a malformed reply: {e}") from None
-        if rows.shape != (len(ids), self.hidden):
-            raise RemoteError(f"embed server returned {list(rows.shape)} rows, expected [{len(ids)}, {self.hidden}]: another model?")
-        return rows
+            if rows.shape != (len(ids), self.hidden):
+                raise RemoteError(f"{list(rows.shape)} rows, expected [{len(ids)}, {self.hidden}]: another model?")
+            return rows
+
+        return self.replicas.request(self.urls, "POST", "/v1/embed", content=embed_wire.encode_embed_request(ids),
+                                     headers={"content-type": ffn_wire.CONTENT_TYPE, "accept": ffn_wire.CONTENT_TYPE},
+                                     decode=decode)
 
 
 class RemoteHead:
@@ -129,13 +143,14 @@ class RemoteHead:
     def logits(self, h: np.ndarray) -> np.ndarray:
         rows = np.atleast_2d(np.asarray(h, dtype=np.float32))
         out = np.empty((rows.shape[0], self.vocab), dtype=np.float32)
+
+        def decode(r: Reply) -> np.ndarray:
+            return embed_wire.decode_logits_response(r.content, self.vocab)
+
         for i, row in enumerate(rows):  # the endpoint takes one position; decode asks for one
-            r = self.replicas.request(self.urls, "POST", "/v1/logits", content=embed_wire.encode_logits_request(row),
-                                      headers={"content-type": ffn_wire.CONTENT_TYPE, "accept": ffn_wire.CONTENT_TYPE})
-            try:
-                out[i] = embed_wire.decode_logits_response(r.content, self.vocab)
-            except WireError as e:
-                raise RemoteError(f"embed server sent malformed logits: {e}") from None
+            out[i] = self.replicas.request(self.urls, "POST", "/v1/logits", content=embed_wire.encode_logits_request(row),
+                                           headers={"content-type": ffn_wire.CONTENT_TYPE, "accept": ffn_wire.CONTENT_TYPE},
+                                           decode=decode)
         return out
 
 
@@ -158,15 +173,16 @@ class RemoteFfn:
         if not urls:
             raise RemoteError(f"no --ffn target serves layer {layer}")
         t0 = time.perf_counter()
-        r = self.replicas.request(urls, "POST", "/v1/walk-ffn", content=ffn_wire.encode_request(layer, x),
-                                  headers=self.headers, about=f" (layer {layer})")
-        f16 = r.headers.get("content-type", "").startswith(ffn_wire.CONTENT_TYPE_F16)
-        try:
+
+        def decode(r: Reply) -> np.ndarray:
+            f16 = r.headers.get("content-type", "").startswith(ffn_wire.CONTENT_TYPE_F16)
             got, out, _ = ffn_wire.decode_response(r.content, self.hidden, f16=f16)
-        except WireError as e:
-            raise RemoteError(f"FFN layer {layer}: malformed reply: {e}") from None
-        if got != layer or out.shape != np.shape(np.atleast_2d(x)):
-            raise RemoteError(f"FFN layer {layer}: the reply is for layer {got} with shape {list(out.shape)}")
+            if got != layer or out.shape != np.shape(np.atleast_2d(x)):
+                raise RemoteError(f"the reply is for layer {got} with shape {list(out.shape)}")
+            return out
+
+        out = self.replicas.request(urls, "POST", "/v1/walk-ffn", content=ffn_wire.encode_request(layer, x),
+                                    headers=self.headers, about=f" (layer {layer})", decode=decode)
         self.seconds += time.perf_counter() - t0
         self.calls += 1
         return out

@@ -27,12 +27,16 @@ class Limits:
     """What the router accepts (published in /v1/stats)."""
 
     max_body: int = 64 << 20  # a walk-ffn request it forwards (members bound their own, lower)
+    max_reply_bytes: int = 64 << 20  # what one request may ask back (rows x layers x hidden x 4)
     max_grid_body: int = 64 << 10  # join, heartbeat, leave: small JSON objects
-    upstream_timeout: float = 60.0  # seconds for one member's reply
+    # Shorter than a client's own timeout (30 s by default), so the router fails over to another
+    # replica before the client gives up on the router.
+    upstream_timeout: float = 10.0
 
     def as_json(self) -> dict:
-        return {"max_body_bytes": self.max_body, "max_grid_body_bytes": self.max_grid_body,
-                "upstream_timeout_s": self.upstream_timeout}
+        return {"max_body_bytes": self.max_body, "max_reply_bytes": self.max_reply_bytes,
+                "max_layers_per_request": "the model's layers, each named once",
+                "max_grid_body_bytes": self.max_grid_body, "upstream_timeout_s": self.upstream_timeout}
 
 
 class RouterMetrics(Metrics):
@@ -71,7 +75,7 @@ def create_app(registry: Registry, grid_key: str, limits: Limits | None = None, 
     app.ctx.grid_key = grid_key.encode()
     app.ctx.limits = limits
     # The pool opens connections lazily, inside the server's loop: it can be made before the server.
-    app.ctx.upstream = upstream = Upstream(registry, limits.upstream_timeout, metrics)
+    app.ctx.upstream = upstream = Upstream(registry, limits.upstream_timeout, metrics, max_reply=limits.max_reply_bytes + (1 << 16))
     for bp in (grid_bp, walk_bp, embed_bp):
         app.blueprint(bp)
 

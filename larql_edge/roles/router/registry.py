@@ -8,15 +8,22 @@ without waiting for the eviction deadline.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import itertools
 import secrets
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from larql_edge.errors import Conflict
+from larql_edge.errors import Conflict, Forbidden
 from larql_edge.format.layers import LayerRange, gaps
 from larql_edge.wire.grid import Announce, Load
+
+
+def _hash(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
 
 COOLDOWN_FIRST_S = 0.5
 COOLDOWN_MAX_S = 8.0
@@ -46,6 +53,7 @@ class Member:
     consecutive_failures: int = 0
     down_until: float = 0.0
     rtt_ms: float | None = None
+    token_hash: str = field(default="", repr=False)  # sha256 of the member token (never the token)
 
     def serves(self, layer: int) -> bool:
         if self.capability != "ffn":
@@ -111,27 +119,42 @@ class Registry:
             if a.num_layers and m.num_layers and a.num_layers != m.num_layers:
                 raise Conflict(f"num_layers {a.num_layers} does not match the grid's {m.num_layers}")
 
-    def join(self, a: Announce) -> Member:
-        # A member that joins again at the same URL (it restarted, or lost us) replaces its old entry.
-        old = next((m for m in self.members.values()
-                    if not m.static and m.url == a.public_url and m.capability == a.capability), None)
-        self._check_fits(a, ignore=old.id if old else None)
-        if old:
-            del self.members[old.id]
+    def check_join(self, a: Announce) -> None:
+        """Refuse a member that does not fit the grid, or that claims a URL a live member has (a key
+        holder must not be able to replace a member; a restarted one rejoins once its old entry is
+        evicted, ``evict_after`` seconds after its last heartbeat)."""
+        if any(m.url == a.public_url for m in self.members.values()):
+            raise Conflict(f"a live member already has the URL {a.public_url}: a member that restarted rejoins "
+                           f"once its old entry is evicted ({self.evict_after:g} s without heartbeats)")
+        self._check_fits(a, ignore=None)
+
+    def join(self, a: Announce) -> tuple[Member, str]:
+        """Add a member; returns it and its token (what its heartbeats and leave must present)."""
+        self.check_join(a)
         now = self.clock()
+        token = secrets.token_urlsafe(24)
         m = Member(
             id=secrets.token_hex(8), capability=a.capability, url=a.public_url, model=a.model,
             num_layers=a.num_layers, hidden_size=a.hidden_size, vindex_hash=a.vindex_hash,
             layers=LayerRange(a.layer_start, a.layer_end)
             if a.capability == "ffn" and a.layer_start is not None and a.layer_end is not None else None,
-            joined_at=now, last_seen=now,
+            joined_at=now, last_seen=now, token_hash=_hash(token),
         )
         self.members[m.id] = m
+        return m, token
+
+    def authenticate(self, member_id: str, token: str) -> Member | None:
+        """The member, if ``token`` is its own (constant-time); None for an unknown or static id."""
+        m = self.members.get(member_id)
+        if m is None or m.static:
+            return None
+        if not hmac.compare_digest(_hash(token), m.token_hash):
+            raise Forbidden("member token refused: heartbeat and leave take the token the join returned")
         return m
 
     def heartbeat(self, load: Load) -> Member | None:
-        m = self.members.get(load.member_id)
-        if m is None or m.static:
+        m = self.authenticate(load.member_id, load.member_token)
+        if m is None:
             return None
         m.last_seen = self.clock()
         m.reported_inflight = load.inflight
@@ -139,12 +162,11 @@ class Registry:
         m.layer_latency_ms = dict(load.layer_latency_ms)
         return m
 
-    def leave(self, member_id: str) -> bool:
-        m = self.members.get(member_id)
-        if m is None or m.static:
-            return False
-        del self.members[member_id]
-        return True
+    def leave(self, member_id: str, token: str) -> Member | None:
+        m = self.authenticate(member_id, token)
+        if m is not None:
+            del self.members[member_id]
+        return m
 
     def evict_stale(self) -> list[Member]:
         now = self.clock()
@@ -208,6 +230,10 @@ class Registry:
 
     # -- the grid at a glance --------------------------------------------------------------------------
     @property
+    def hidden_size(self) -> int | None:
+        return next((m.hidden_size for m in self.members.values() if m.hidden_size), None)
+
+    @property
     def num_layers(self) -> int | None:
         ns = [m.num_layers for m in self.members.values() if m.num_layers]
         return max(ns) if ns else None
@@ -242,7 +268,7 @@ class Registry:
         return {
             "model": models[0] if len(models) == 1 else (models or None),
             "num_layers": n,
-            "hidden_size": next((m.hidden_size for m in self.members.values() if m.hidden_size), None),
+            "hidden_size": self.hidden_size,
             "members": [m.view(now) for m in sorted(self.members.values(), key=lambda m: (m.capability, m.url))],
             "coverage": [{"layers": f"{r['start']}-{r['end']}", "replicas": r["replicas"]} for r in coverage],
             "gaps": holes,

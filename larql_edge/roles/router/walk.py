@@ -19,7 +19,7 @@ from sanic import Blueprint
 from sanic.request import Request
 from sanic.response import HTTPResponse, json, raw
 
-from larql_edge.errors import BadRequest, ServiceUnavailable
+from larql_edge.errors import BadRequest, PayloadTooLarge, ServiceUnavailable
 from larql_edge.roles.router.registry import Member, Registry
 from larql_edge.roles.router.upstream import MemberFailed, Upstream, forward_headers
 from larql_edge.service import JSON_KIND, body_kind, parse_json
@@ -41,12 +41,21 @@ def _passthrough(r: Reply) -> HTTPResponse:
     return raw(r.content, status=r.status_code, content_type=r.headers.get("content-type", "application/json"))
 
 
-def _check_layers(registry: Registry, layers: Sequence[int]) -> None:
+def _check_request(ctx, layers: Sequence[int], value_bytes: int | None) -> None:
+    """The router's own bounds, before any member is asked: layers in the model and each named once,
+    and the reply the request asks for (rows x layers x hidden) within ``max_reply_bytes``."""
+    registry = ctx.registry
     n = registry.num_layers
     if n is not None:
         bad = sorted({layer for layer in layers if layer >= n})
         if bad:
             raise BadRequest(f"layer {', '.join(map(str, bad[:8]))} is outside the model ({n} layers, 0-{n - 1})")
+    if len(set(layers)) != len(layers):
+        dup = next(layer for layer in layers if list(layers).count(layer) > 1)
+        raise BadRequest(f"layer {dup} is listed more than once: a batch names each layer once")
+    if value_bytes is not None and value_bytes * len(layers) > ctx.limits.max_reply_bytes:
+        raise PayloadTooLarge(f"{len(layers)} layers over {value_bytes} bytes of input ask for a reply of "
+                              f"{value_bytes * len(layers)} bytes; the limit is {ctx.limits.max_reply_bytes}")
 
 
 def _no_shard(registry: Registry, layers: Sequence[int], reasons: list[str]) -> ServiceUnavailable:
@@ -96,8 +105,10 @@ bp = Blueprint("walk")
 
 
 async def _post(upstream: Upstream, m: Member, content: bytes, headers: dict) -> Reply:
+    """One group to one member: its 2xx comes back, the caller's mistake (400, 413) goes back to
+    the caller as it is, anything else already raised MemberFailed (`larql_edge.service.failures`)."""
     r = await upstream.send(m, "POST", PATH, content=content, headers=headers)
-    if r.status_code >= 400:
+    if r.status_code != 200:
         raise Passthrough(r)
     return r
 
@@ -120,10 +131,20 @@ async def walk_ffn(request: Request) -> HTTPResponse:
 async def _walk_single(ctx, body: bytes, headers: dict) -> HTTPResponse:
     registry, upstream = ctx.registry, ctx.upstream
     layer = wire.single_layer_of(body)
-    _check_layers(registry, [layer])
+    _check_request(ctx, [layer], len(body) - 16)
 
     async def send(m: Member, pos: list[int]) -> list:
-        return [await _post(upstream, m, body, headers)]
+        r = await _post(upstream, m, body, headers)
+        hidden = m.hidden_size or registry.hidden_size
+        if hidden:  # a reply must be for this layer and this many rows: garbage is the member's failure
+            f16 = r.headers.get("content-type", "").startswith(wire.CONTENT_TYPE_F16)
+            try:
+                got, out, _ = wire.decode_response(r.content, hidden, f16)
+            except wire.WireError as e:
+                raise upstream.malformed(m, f"malformed reply ({e})") from None
+            if got != layer or out.shape[0] * hidden * 4 != len(body) - 16:
+                raise upstream.malformed(m, f"the reply is for layer {got} with {out.shape[0]} rows")
+        return [r]
 
     r = (await dispatch(registry, [layer], send, ctx.metrics))[0]
     return raw(r.content, content_type=r.headers.get("content-type", wire.CONTENT_TYPE))
@@ -133,7 +154,7 @@ async def _walk_batch(ctx, body: bytes, headers: dict) -> HTTPResponse:
     registry, upstream = ctx.registry, ctx.upstream
     t0 = time.perf_counter()
     layers, tail = wire.split_batch_request(body)
-    _check_layers(registry, layers)
+    _check_request(ctx, layers, len(tail) - 12)
     f16_box: list[bool] = []
 
     async def send(m: Member, pos: list[int]) -> list:
@@ -144,9 +165,9 @@ async def _walk_batch(ctx, body: bytes, headers: dict) -> HTTPResponse:
         try:
             items = list(wire.iter_batch_items(r.content, f16))
         except wire.WireError as e:
-            raise MemberFailed(m, f"{m.url}: malformed batch reply ({e})") from None
+            raise upstream.malformed(m, f"malformed batch reply ({e})") from None
         if [it[0] for it in items] != mine:
-            raise MemberFailed(m, f"{m.url}: batch reply does not answer layers {mine}")
+            raise upstream.malformed(m, f"batch reply does not answer layers {mine}")
         f16_box.append(f16)
         return items
 
@@ -167,7 +188,7 @@ async def _walk_json(ctx, body: bytes, headers: dict) -> HTTPResponse:
     if (not isinstance(layers, list) or not layers or len(layers) > wire.MAX_BATCH_LAYERS
             or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in layers)):
         raise BadRequest('"layer"/"layers" must be non-negative layer numbers')
-    _check_layers(registry, layers)
+    _check_request(ctx, layers, None)
 
     async def send(m: Member, pos: list[int]) -> list:
         mine = [layers[p] for p in pos]
@@ -179,7 +200,7 @@ async def _walk_json(ctx, body: bytes, headers: dict) -> HTTPResponse:
             if [it["layer"] for it in items] != mine:
                 raise ValueError("layers differ")
         except (ValueError, KeyError, TypeError) as e:
-            raise MemberFailed(m, f"{m.url}: malformed JSON reply ({e})") from None
+            raise upstream.malformed(m, f"malformed JSON reply ({e})") from None
         return items
 
     got = await dispatch(registry, layers, send, ctx.metrics)
