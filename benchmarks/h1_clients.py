@@ -39,11 +39,10 @@ from pathlib import Path
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 
-import numpy as np
+import numpy as np  # noqa: E402  (after the BLAS pin above)
 
-from larql_edge.wire import ffn as ffn_wire
+from larql_edge.wire import ffn as ffn_wire  # noqa: E402
 
 HIDDEN = 640
 BIG = 64 << 10

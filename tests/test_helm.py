@@ -741,7 +741,8 @@ class DockerPods:
         for p in c.get("ports", []):
             args += ["-p", f"127.0.0.1::{p['containerPort']}"]
         config = json.loads(_docker("image", "inspect", "-f", "{{json .Config}}", c["image"]).stdout)
-        argv = (c.get("command") or config.get("Entrypoint") or []) + (c.get("args") or ([] if c.get("command") else config.get("Cmd") or []))
+        args = c.get("args") or ([] if c.get("command") else config.get("Cmd") or [])
+        argv = (c.get("command") or config.get("Entrypoint") or []) + args
         exports = []
         for e in c.get("env", []):
             if "valueFrom" in e:
@@ -824,11 +825,11 @@ def docker_grid(tools, tmp_path_factory):
             started[f"ffn-{layers}"] = (pods.start(dep, f"ffn-{layers}", []), dep)
         edge = named(objs, "Deployment", f"{RELEASE}-larql-grid-edge")
         started["edge"] = (pods.start(edge, "edge", [svc("edge")]), edge)
-        for key, (name, dep) in started.items():
+        for _key, (name, dep) in started.items():
             c = pod_spec(dep)["containers"][0]
             budget = c["startupProbe"]["periodSeconds"] * c["startupProbe"]["failureThreshold"]
             pods.probe(name, c, "startup", budget)
-        for key, (name, dep) in started.items():
+        for _key, (name, dep) in started.items():
             c = pod_spec(dep)["containers"][0]
             pods.probe(name, c, "readiness", 300)
             pods.probe(name, c, "liveness", c["livenessProbe"]["periodSeconds"] * c["livenessProbe"]["failureThreshold"])
@@ -846,7 +847,7 @@ def _grid_view(url: str) -> dict:
 @pytest.mark.docker
 def test_docker_pods_pass_their_probes_under_the_pods_security_context(docker_grid):
     pods, started = docker_grid["pods"], docker_grid["started"]
-    for key, (name, dep) in started.items():
+    for key, (name, _dep) in started.items():
         inspect = json.loads(_docker("inspect", "-f", "{{json .}}", name).stdout)
         assert inspect["HostConfig"]["ReadonlyRootfs"] is True
         assert inspect["Config"]["User"] == "10001:10001"
