@@ -35,6 +35,7 @@ class ServerThread:
 
     def __init__(self, app: Sanic, port: int | None = None, ready_timeout: float = 30.0):
         self.app = app
+        app.config.MOTD = False  # its banner asks `uname -p` (a subprocess) for the platform
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.ready_timeout = ready_timeout

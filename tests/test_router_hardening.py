@@ -1,0 +1,180 @@
+"""The router against members that misbehave and callers that push (issue #14): each test is one
+defect found on the code before the hardening, in-process on loopback (tiny model)."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+import time
+
+import httpx
+import numpy as np
+import pytest
+from sanic import Sanic
+from sanic.response import json, raw
+
+from larql_edge.format.vindex import Vindex
+from larql_edge.model.forward import LocalFfn
+from larql_edge.model.spec import ModelSpec
+from larql_edge.testing.servers import ServerThread
+from larql_edge.wire import ffn as w
+from tests import _inproc as inproc
+from tests._grid import GRID_KEY, StubEmbed, wait_grid
+
+H = 32
+X = np.random.default_rng(7).standard_normal((2, H)).astype(np.float32)
+BIN = {"content-type": w.CONTENT_TYPE}
+AUTH = {"authorization": f"Bearer {GRID_KEY}"}
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_models):
+    vx = Vindex.open(tiny_models["gemma3"])
+    return LocalFfn(vx, ModelSpec.from_index(vx.index))
+
+
+def _bad_member(mode: str) -> ServerThread:
+    """A server at a member's URL that answers /v1/walk-ffn wrongly: 404, 200 garbage, or never."""
+    app = Sanic(f"bad_{mode}")
+    gate = threading.Event()
+
+    @app.get("/v1/stats")
+    async def stats(request):
+        return json({"model": "gemma3-hf", "hidden_size": H, "num_layers": 2, "layer_start": 0, "layer_end": 1})
+
+    @app.post("/v1/walk-ffn")
+    async def walk(request):
+        if mode == "404":
+            return json({"error": "no route"}, status=404)
+        if mode == "garbage":
+            return raw(b"\x00\x01\x02", content_type=w.CONTENT_TYPE)
+        import asyncio
+
+        for _ in range(200):  # "frozen": answers only after the router gave up on it
+            if gate.is_set():
+                break
+            await asyncio.sleep(0.05)
+        return json({"error": "late"}, status=503)
+
+    s = ServerThread(app)
+    s.gate = gate
+    return s
+
+
+@pytest.mark.parametrize("mode", ["404", "garbage", "frozen"])
+def test_a_member_that_answers_wrongly_is_failed_over(tiny_models, reference, mode):
+    """Defect 1 and 5: a 4xx or a 200 with garbage was forwarded as the answer; a frozen replica held
+    a request longer than the client waits. Now each is that member's failure, and a replica answers."""
+    bad = _bad_member(mode).start()
+    try:
+        with inproc.shard(tiny_models["gemma3"], None) as good, \
+                inproc.router(static_ffn=[(None, bad.url), (None, good.url)], upstream_timeout=0.5) as router:
+            wait_grid(router.url, members=2)
+            for _ in range(4):  # whichever replica the router picks first, every answer is right
+                t0 = time.monotonic()
+                r = httpx.post(router.url + "/v1/walk-ffn", content=w.encode_request(1, X), headers=BIN, timeout=5)
+                assert r.status_code == 200, r.text
+                layer, out, _ = w.decode_response(r.content, H)
+                np.testing.assert_array_equal(out, reference.ffn(1, X))
+                assert time.monotonic() - t0 < 5  # the router's hop timeout, not the client's, decided
+            members = {m["url"]: m for m in httpx.get(router.url + "/v1/grid").json()["members"]}
+            assert members[bad.url]["failures"] >= 1 and members[good.url]["failures"] == 0
+            assert 'larql_router_upstream_failures_total{capability="ffn"' in httpx.get(router.url + "/metrics").text
+    finally:
+        bad.gate.set()
+        bad.stop()
+
+
+def test_a_member_whose_public_url_is_wrong_cannot_join(tiny_models):
+    """Defect 1's cause: a shard announcing another server's URL (the wrong port) was registered."""
+    with inproc.router() as router, StubEmbed(tiny_models["gemma3"]) as elsewhere:
+        a = {"capability": "ffn", "public_url": elsewhere.url, "model": "gemma3-hf", "num_layers": 2, "hidden_size": H,
+             "layer_start": 0, "layer_end": 1}
+        r = httpx.post(router.url + "/v1/grid/join", json=a, headers=AUTH)
+        assert r.status_code == 409 and "is not the member announced" in r.json()["error"]
+        r = httpx.post(router.url + "/v1/grid/join", json=a | {"public_url": "http://127.0.0.1:9"}, headers=AUTH)
+        assert r.status_code == 400 and "cannot reach" in r.json()["error"]
+        assert httpx.get(router.url + "/v1/grid").json()["members"] == []
+
+
+def test_repeated_layers_and_huge_replies_are_refused_before_any_work(tiny_models):
+    """Defect 2: a 56 KB batch naming layer 0 4,096 times returned 160 MB and blocked the shard 18.7 s."""
+    with inproc.router(max_reply_bytes=8 * H * 4) as router, inproc.shard(tiny_models["gemma3"], None, join=router.url):
+        wait_grid(router.url, members=1)
+        body = struct.pack("<II", 0xFFFFFFFF, 4096) + struct.pack("<I", 0) * 4096 + struct.pack("<III", 1, 0, 0)
+        r = httpx.post(router.url + "/v1/walk-ffn", content=body + X[:1].tobytes(), headers=BIN)
+        assert r.status_code == 400 and "more than once" in r.json()["error"]
+        r = httpx.post(router.url + "/v1/walk-ffn", content=w.encode_request([0, 1], np.zeros((5, H), np.float32)), headers=BIN)
+        assert r.status_code == 413 and "limit" in r.json()["error"]
+        assert httpx.get(router.url + "/v1/stats").json()["limits"]["max_reply_bytes"] == 8 * H * 4
+
+
+def test_membership_routes_read_no_body_before_the_key_and_only_a_small_one_after():
+    """Defect 4: the router read a 255 MiB body before checking the key (four such joins: 2.1 GB)."""
+    with inproc.router() as router:
+        host, port = "127.0.0.1", router.port
+        with socket.create_connection((host, port), timeout=5) as s:  # announces 200 MB, sends none of it
+            s.sendall(b"POST /v1/grid/join HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                      b"content-length: 209715200\r\n\r\n")
+            head = s.recv(4096)
+        assert head.startswith(b"HTTP/1.1 401"), head[:80]
+        r = httpx.post(router.url + "/v1/grid/join", content=b"{" + b" " * (100 << 10) + b"}",
+                       headers={**AUTH, "content-type": "application/json"})
+        assert r.status_code == 413
+        assert httpx.get(router.url + "/v1/health").status_code == 200
+
+
+def test_a_key_holder_cannot_speak_for_another_member(tiny_models):
+    """Defect 8: any key holder could heartbeat or remove any member (ids are public in /v1/grid),
+    or replace one by joining with its URL."""
+    with inproc.router() as router, inproc.shard(tiny_models["gemma3"], None, join=router.url) as s:
+        view = wait_grid(router.url, members=1)
+        mid = view["members"][0]["id"]
+        r = httpx.post(router.url + "/v1/grid/leave", json={"member_id": mid}, headers=AUTH)
+        assert r.status_code == 403
+        r = httpx.post(router.url + "/v1/grid/heartbeat", json={"member_id": mid, "member_token": "guess"}, headers=AUTH)
+        assert r.status_code == 403
+        a = {"capability": "ffn", "public_url": s.url, "model": "gemma3-hf", "num_layers": 2, "hidden_size": H,
+             "layer_start": 0, "layer_end": 1}
+        r = httpx.post(router.url + "/v1/grid/join", json=a, headers=AUTH)
+        assert r.status_code == 409 and "already has the URL" in r.json()["error"]
+        assert [m["id"] for m in httpx.get(router.url + "/v1/grid").json()["members"]] == [mid]
+
+
+def test_the_embed_proxy_forwards_only_documented_routes(tiny_models):
+    """Defect 8: the proxy forwarded `..` segments raw, so a key holder's registered URL could be
+    read at any GET path through the router. Also defect 10: POST token routes (405) and the
+    /v1/{model_id}/... routes (404) were missing."""
+    with StubEmbed(tiny_models["gemma3"]) as stub, inproc.router(static_embed=[stub.url]) as router:
+        wait_grid(router.url, complete=False, embed=1)
+        for path in ("/v1/embed/../../secret", "/v1/embed/..%2F..%2Fsecret", "/v1/models/../../../etc/passwd",
+                     "/v1/token/../../admin"):
+            with socket.create_connection(("127.0.0.1", router.port), timeout=5) as s:
+                s.sendall(f"GET {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n".encode())
+                status = s.recv(4096).split(b" ", 2)[1]
+            assert status in (b"400", b"404"), (path, status)
+        assert all(p.split("?")[0].rsplit(" ", 1)[1].startswith(("/v1/embed", "/v1/stats", "/v1/token/encode"))
+                   for p in stub.requests), stub.requests
+        assert httpx.get(router.url + "/v1/embed/3").status_code == 200
+        r = httpx.post(router.url + "/v1/token/encode", json={"text": "paris"})
+        assert r.status_code != 405
+        httpx.get(router.url + "/v1/m/embed/3")  # the model-prefixed spelling reaches the embed server
+        assert "GET /v1/m/embed/3" in stub.requests
+
+
+@pytest.mark.parametrize("role", ["embed", "ffn", "router"])
+def test_deeply_nested_json_is_a_400_on_every_service(tiny_models, role):
+    """Defect 7: 100,000 levels of nesting gave a 500 and a traceback on every JSON endpoint."""
+    body = b"[" * 100_000 + b"]" * 100_000
+    if role == "embed":
+        server, path = inproc.embed({"m": tiny_models["gemma3"]}, max_body=1 << 20), "/v1/embed"
+    elif role == "ffn":
+        server, path = inproc.shard(tiny_models["gemma3"], None), "/v1/walk-ffn"
+    else:
+        server, path = inproc.router(), "/v1/walk-ffn"
+    with server:
+        inproc.wait_ready(server)
+        r = httpx.post(server.url + path, content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and "nested" in r.json()["error"], r.text
+        assert httpx.get(server.url + "/v1/health").status_code == 200
