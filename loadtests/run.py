@@ -31,7 +31,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 import tomllib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -238,14 +237,16 @@ def read_stats(path: Path) -> dict[str, dict]:
     """locust's _stats.csv -> {name: {requests, failures, rps, p50_ms, p99_ms, max_ms}} (+ 'Aggregated')."""
     if not path.exists():
         raise SetupError(f"locust wrote no {path.name} (see its log)")
-    rows = {}
-    for row in csv.DictReader(open(path)):
-        def num(col: str) -> float:
-            v = row.get(col, "")
-            return float(v) if v not in ("", "N/A") else float("nan")
+    def num(row: dict, col: str) -> float:
+        v = row.get(col, "")
+        return float(v) if v not in ("", "N/A") else float("nan")
 
-        rows[row["Name"]] = {"type": row["Type"], "requests": int(row["Request Count"]), "failures": int(row["Failure Count"]),
-                             "rps": num("Requests/s"), "p50_ms": num("50%"), "p99_ms": num("99%"), "max_ms": num("Max Response Time")}
+    rows = {}
+    with open(path, newline="") as fh:
+        for row in csv.DictReader(fh):
+            rows[row["Name"]] = {"type": row["Type"], "requests": int(row["Request Count"]),
+                                 "failures": int(row["Failure Count"]), "rps": num(row, "Requests/s"),
+                                 "p50_ms": num(row, "50%"), "p99_ms": num(row, "99%"), "max_ms": num(row, "Max Response Time")}
     return rows
 
 

@@ -5,6 +5,7 @@ router and two FFN shards on Gemma 3 270M) passes every threshold of loadtests/s
 
 from __future__ import annotations
 
+import argparse
 import ast
 import json
 import subprocess
@@ -76,7 +77,7 @@ def test_durations_parse():
     assert loadrun.parse_duration("60") == 60 and loadrun.parse_duration("60s") == 60
     assert loadrun.parse_duration("10m") == 600 and loadrun.parse_duration("1h30m") == 5400
     for bad in ("", "0", "ten", "5x"):
-        with pytest.raises(Exception):
+        with pytest.raises(argparse.ArgumentTypeError):
             loadrun.parse_duration(bad)
 
 
