@@ -36,7 +36,7 @@ def test_presets_keep_their_files_and_rewrite_index(tiny_models, tmp_path, prese
     assert files == EXPECTED[preset]
     vx = Vindex.open(dst)
     assert vx.index.extract_level == LEVEL[preset]
-    assert vx.index.has_model_weights == bool({"attn_weights.bin", "up_weights.bin"} & files)
+    assert vx.index.has_model_weights == bool({"attn_weights.bin", "up_weights.bin", "norms.bin", "lm_head.bin"} & files)
     assert set(vx.checksums) == files
     assert vx.verify() == []
     # Everything else of index.json is kept (unknown keys included).

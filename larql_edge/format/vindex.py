@@ -33,6 +33,8 @@ from larql_edge.errors import ChecksumMismatch, OutputExists, VindexError
 
 from .index import DTYPES as DTYPE_NAMES
 from .index import EXTRACT_LEVELS, FORMAT_VERSION, LayerInfo, ModelConfig, VindexIndex, level_rank
+from .q4k import LM_HEAD_Q4, Q4kWeights
+from .quant import QBlocks, dequantize_matrix
 
 __all__ = [
     "ATTN", "DOWN", "DTYPES", "EMBEDDINGS", "EXTRACT_LEVELS", "FORMAT_VERSION", "GATE", "INDEX", "LM_HEAD",
@@ -100,6 +102,7 @@ class Vindex:
         self.index = index
         self._manifest: dict[str, ManifestEntry] | None = None
         self._maps: dict[str, np.ndarray] = {}
+        self._q4k: Q4kWeights | None = None
 
     # -- opening -----------------------------------------------------------------------------
     @classmethod
@@ -150,6 +153,19 @@ class Vindex:
         return self.index.embed_scale
 
     @property
+    def quantized(self) -> bool:
+        """A ``quant: q4k`` vindex: attention, FFN and an untied lm_head are Q4_K/Q6_K blocks."""
+        return self.index.quant == "q4k"
+
+    @property
+    def q4k(self) -> Q4kWeights:
+        if not self.quantized:
+            raise VindexError(f"{self.path}: not a q4k vindex (index.json quant={self.index.quant!r})")
+        if self._q4k is None:
+            self._q4k = Q4kWeights(self.path, self.index.to_json())
+        return self._q4k
+
+    @property
     def tied(self) -> bool:
         """Whether the embeddings serve as the lm_head.
 
@@ -159,7 +175,12 @@ class Vindex:
         """
         if self.index.lm_head_tied is not None:
             return self.index.lm_head_tied
-        return not any(self.path.glob("lm_head*.bin"))
+        heads = [p for p in self.path.glob("lm_head*.bin")]
+        if not heads:
+            return True
+        # LARQL's extractor may write a tied model's lm_head.bin as a copy or a link of the embeddings.
+        emb = self.path / EMBEDDINGS
+        return heads == [self.path / LM_HEAD] and emb.is_file() and os.path.samefile(heads[0], emb)
 
     def has(self, name: str) -> bool:
         return (self.path / name).is_file()
@@ -263,6 +284,21 @@ class Vindex:
     def tensor_f32(self, key: str) -> np.ndarray:
         return np.asarray(self.tensor(key), dtype=np.float32)
 
+    def weight(self, key: str) -> np.ndarray | QBlocks:
+        """A weight matrix as the vindex stores it: a float memory map, or, in a q4k vindex, the
+        projection's (or the untied lm_head's) blocks, zero-copy. What the roles load."""
+        if self.quantized and (key != LM_HEAD_KEY or self.has(LM_HEAD_Q4)):
+            if key.startswith("layers.") or key == LM_HEAD_KEY:
+                return self.q4k.tensor(key)
+        return self.tensor(key)
+
+    def has_weight(self, key: str) -> bool:
+        if self.quantized and key == LM_HEAD_KEY and self.has(LM_HEAD_Q4):
+            return True
+        if self.quantized and key.startswith("layers.") and key.endswith("_proj.weight"):
+            return True
+        return self.has_tensor(key)
+
     def read_rows(self, key: str | None, start: int, count: int) -> np.ndarray:
         """Rows ``[start, start + count)`` of a 2-D tensor (``None``: the embedding table) as a
         fresh array in the stored type, read with ``pread``: converting a whole table through its
@@ -292,8 +328,11 @@ class Vindex:
         return self.has(GATE) and bool(self.index.layers)
 
     def gate(self, layer: int) -> np.ndarray:
-        """Layer ``layer``'s gate projection ``[num_features, hidden]`` from gate_vectors.bin."""
+        """Layer ``layer``'s gate projection ``[num_features, hidden]`` from gate_vectors.bin (a q4k
+        vindex without that file: dequantized from its interleaved gate blocks, as LARQL does)."""
         info = self.index.layer(layer)
+        if self.quantized and not self.has(GATE):
+            return dequantize_matrix(self.q4k.ffn(layer)[0]).astype(np.float16)
         if info is None:
             raise VindexError(f"{self.path}: no gate vectors for layer {layer}")
         raw = self._map(GATE)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from larql_edge.errors import VindexError
+from larql_edge.format.quant import QBlocks
 from larql_edge.format.vindex import Vindex
 from larql_edge.model.backend import Backend, get_backend
 from larql_edge.model.spec import ModelSpec
@@ -43,10 +44,10 @@ def load_attention_layer(vx: Vindex, spec: ModelSpec, layer: int, backend: Backe
         pre_attn = vx.tensor_f32(fam.pre_attn_norm_key(layer))
         pre_ffn = vx.tensor_f32(fam.pre_ffn_norm_key(layer))
         return AttentionLayer(
-            q=backend.prepare(vx.tensor(p + "q_proj.weight")),
-            k=backend.prepare(vx.tensor(p + "k_proj.weight")),
-            v=backend.prepare(vx.tensor(p + "v_proj.weight")),
-            o=backend.prepare(vx.tensor(p + "o_proj.weight")),
+            q=backend.prepare(vx.weight(p + "q_proj.weight")),
+            k=backend.prepare(vx.weight(p + "k_proj.weight")),
+            v=backend.prepare(vx.weight(p + "v_proj.weight")),
+            o=backend.prepare(vx.weight(p + "o_proj.weight")),
             q_norm=_vec(vx, p + "q_norm.weight") if fam.qk_norm else None,
             k_norm=_vec(vx, p + "k_norm.weight") if fam.qk_norm else None,
             pre_attn_norm=pre_attn,
@@ -68,10 +69,12 @@ class FfnLayer:
 def load_ffn_layer(vx: Vindex, layer: int, backend: Backend) -> FfnLayer:
     p = f"layers.{layer}.mlp."
     try:
+        # A q4k vindex computes the gate from its own blocks (gate_vectors.bin is an f16 copy for browsing).
+        gate = vx.weight(p + "gate_proj.weight") if vx.quantized else vx.gate(layer)
         return FfnLayer(
-            gate=backend.prepare(vx.gate(layer)),
-            up=backend.prepare(vx.tensor(p + "up_proj.weight")),
-            down=backend.prepare(vx.tensor(p + "down_proj.weight")),
+            gate=backend.prepare(gate),
+            up=backend.prepare(vx.weight(p + "up_proj.weight")),
+            down=backend.prepare(vx.weight(p + "down_proj.weight")),
         )
     except VindexError as e:
         raise VindexError(f"{vx.path}: FFN weights for layer {layer} unavailable ({e})") from None
@@ -81,10 +84,11 @@ def final_norm(vx: Vindex) -> np.ndarray:
     return vx.tensor_f32("norm.weight")
 
 
-def lm_head_matrix(vx: Vindex) -> np.ndarray:
-    """The lm_head ``[vocab, hidden]`` as stored (a memory map): lm_head.bin, or the embeddings if tied."""
-    if vx.has_tensor("lm_head.weight"):
-        return vx.tensor("lm_head.weight")
+def lm_head_matrix(vx: Vindex) -> np.ndarray | QBlocks:
+    """The lm_head ``[vocab, hidden]`` as stored (a memory map, or Q4_K blocks of a q4k vindex):
+    its own file, or the embeddings when the model is tied."""
+    if not vx.tied and vx.has_weight("lm_head.weight"):
+        return vx.weight("lm_head.weight")
     return vx.embeddings()
 
 

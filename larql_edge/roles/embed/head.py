@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from larql_edge.format.quant import QBlocks, dequantize_matrix
 from larql_edge.format.vindex import EMBEDDINGS, LM_HEAD_KEY, Vindex
 from larql_edge.model import ops
 from larql_edge.model.backend import Backend, get_backend
@@ -63,6 +64,9 @@ def _f32_blocks(vx: Vindex, key: str | None, rows: int):
 def compute_copy(vx: Vindex, cache_dir: Path | None) -> ComputeCopy:
     """The f32 lm_head the head multiplies by (see the module docstring for where it lives)."""
     src = lm_head_matrix(vx)
+    if isinstance(src, QBlocks):  # a q4k vindex's untied lm_head: the reference path dequantizes it
+        mat = dequantize_matrix(src)
+        return ComputeCopy(mat, "memory (f32 from Q4_K)", None, mat.nbytes)
     rows, cols = src.shape
     nbytes = rows * cols * 4
     if src.dtype == np.float32:

@@ -44,12 +44,15 @@ def _build_once(out: Path, build) -> Path:
     return out
 
 
-def cached_vindex(source: str, level: str = "all", dtype: str = "f16", progress: bool = False, log=print) -> Path:
+def cached_vindex(source: str, level: str = "all", dtype: str = "f16", progress: bool = False, log=print,
+                  quant: str = "none") -> Path:
     """Path of a complete vindex for ``source`` (a packaged alias or GGUF path), extracting on first use."""
     kind, path = resolve(source)
     key = source_digest(path) if kind == "gguf" else Path(path).resolve().name
-    out = cache_dir() / "vindex" / f"{key[:16]}-{level}-{dtype}"
-    _build_once(out, lambda o: extract(str(path), o, level=level, dtype=dtype, force=True, progress=progress, log=log))
+    name = f"{key[:16]}-{level}-{dtype}" if quant == "none" else f"{key[:16]}-{level}-{quant}"
+    out = cache_dir() / "vindex" / name
+    _build_once(out, lambda o: extract(str(path), o, level=level, dtype=dtype, force=True, progress=progress, log=log,
+                                       quant=quant))
     Vindex.open(out)
     return out
 

@@ -58,7 +58,9 @@ def plan_slice(src: str | os.PathLike[str], dst: str | os.PathLike[str], parts: 
         skipped=skipped,
         level_from=src_level,
         level_to=level_for(present, src_level, kept_everything=not skipped),
-        has_model_weights=bool(present & {"attn", "ffn"}),
+        # LARQL's weight loaders (its embed-only server's included) refuse a vindex without it: true
+        # whenever any weight beyond the embeddings is kept.
+        has_model_weights=bool(present & {"attn", "ffn", "norms", "lm_head"}),
     )
 
 

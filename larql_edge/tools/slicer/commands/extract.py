@@ -21,11 +21,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     f.choice("--level", choices=EXTRACT_LEVELS, default="all", help="browse < attention < inference < all")
     f.choice("--dtype", choices=sorted(DTYPES), default="f16",
              help="storage dtype of the weight files (f32 is bit-exact to the dequantized source)")
+    f.choice("--quant", choices=("none", "q4k"), default="none",
+             help="q4k: LARQL's quantized layout (Q4_K/Q6_K blocks; a GGUF's own blocks kept as they are)")
     f.switch("--force", help="replace OUT if it is a vindex folder")
     f.switch("--quiet", help="no progress bars")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    extract(args.source, args.output, level=args.level, dtype=args.dtype, force=args.force, progress=not args.quiet)
+    extract(args.source, args.output, level=args.level, dtype=args.dtype, force=args.force, progress=not args.quiet,
+            quant=args.quant)
     return 0

@@ -14,8 +14,9 @@ import gguf
 import numpy as np
 from gguf import MODEL_TENSOR as MT
 
-from larql_edge.errors import SourceError, UnsupportedTensorType
+from larql_edge.errors import QuantError, SourceError, UnsupportedTensorType
 from larql_edge.format.families import family_by_name, tensor_name
+from larql_edge.format.quant import transcode_gguf
 from larql_edge.tools.slicer.extract._source import ModelSource
 
 # Tensor types we dequantize (the two packaged models use F32, F16, Q8_0, Q5_0, Q4_1, Q4_K, Q6_K).
@@ -126,6 +127,20 @@ def open_gguf(path: Path) -> ModelSource:
             arr = unpermute_qk(arr, n_kv)
         return arr
 
+    def blocks(key: str, target: str):
+        """``key`` as ``target`` blocks: a Q4_K/Q6_K tensor of the GGUF is kept as it is (re-laid-out
+        for LARQL's Q6_K), anything else is dequantized and quantized as LARQL does."""
+        t, how = mapping[key]
+        cols, rows = (int(s) for s in t.shape)
+        order = None
+        if how in ("permute_q", "permute_k"):  # undoing llama.cpp's row permutation is lossless on rows
+            order = unpermute_qk(np.arange(rows)[:, None], n_head if how == "permute_q" else n_kv)[:, 0]
+        try:
+            qb, _ = transcode_gguf(t.tensor_type.name, t.data, rows, cols, target, row_order=order)
+        except QuantError as e:
+            raise SourceError(f"{path}: cannot convert {t.name} to {target} ({e})") from None
+        return qb
+
     # Fail before any work when a tensor type cannot be handled.
     for t, _ in mapping.values():
         if t.tensor_type.name not in SUPPORTED_TYPES:
@@ -152,4 +167,5 @@ def open_gguf(path: Path) -> ModelSource:
         tokenizer_json=tokenizer_json,
         tied=tied,
         info={"type": "gguf", "file": path.name, "architecture": arch},
+        blocks=blocks,
     )

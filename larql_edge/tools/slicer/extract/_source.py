@@ -39,6 +39,9 @@ class ModelSource:
     tied: bool
     info: dict[str, Any] = field(default_factory=dict)
     close: Callable[[], None] = lambda: None
+    # GGUF sources: ``blocks(key, target)`` is the tensor as a vindex block format (``Q4_K``/``Q6_K``),
+    # the file's own blocks kept where they already are that format (no requantization loss).
+    blocks: Callable[[str, str], Any] | None = None
 
 
 def _package_gguf(alias: str) -> Path:
