@@ -92,7 +92,8 @@ class StubEmbed:
     /v1/ready, /v1/stats. It lets the router proxy and the remote providers be tested on their own.
     """
 
-    def __init__(self, vindex: Path):
+    def __init__(self, vindex: Path, larql_logits: bool = False):
+        """``larql_logits``: answer /v1/logits as LARQL's server does, top-k JSON only (never raw f32)."""
         import threading
         from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -151,8 +152,23 @@ class StubEmbed:
                     if self.path == "/v1/embed":
                         return self._send(200, ew.encode_embed_response(emb.embed(ew.decode_embed_request(body))))
                     if self.path == "/v1/logits":
-                        h = ew.decode_logits_request(body, spec.hidden_size)
-                        return self._send(200, ew.encode_logits_response(head.logits(h[None])[0]))
+                        import json as j
+
+                        import numpy as np
+
+                        ctype = self.headers.get("content-type", "")
+                        if ctype.startswith("application/json"):
+                            req = j.loads(body)
+                            h, k = np.asarray(req["residual"], np.float32), int(req.get("top_k", 5))
+                        else:
+                            h, k = ew.decode_logits_request(body, spec.hidden_size), 5
+                        logits = head.logits(h[None])[0]
+                        if not larql_logits and not ctype.startswith("application/json"):
+                            return self._send(200, ew.encode_logits_response(logits))
+                        p = np.exp(logits - logits.max())
+                        p /= p.sum()
+                        top = [{"token_id": int(i), "token": "", "prob": float(p[i])} for i in np.argsort(-p)[:k]]
+                        return self._send(200, j.dumps({"top_k": top, "latency_ms": 0.1}).encode(), "application/json")
                 except (ValueError, WireError) as e:
                     return self._error(400, str(e))
                 return self._error(404, "no route")
@@ -189,7 +205,7 @@ def start_grid(procs: Procs, vindex: Path, ranges: list[str], *, replicas: int =
 def remote_args(**kw):
     import argparse
 
-    base = dict(embed=None, ffn=None, ffn_f16=False, timeout=20.0, retries=4)
+    base = dict(embed=None, ffn=None, ffn_f16=False, timeout=20.0, retries=4, logits_top_k=64)
     base.update(kw)
     return argparse.Namespace(**base)
 

@@ -152,3 +152,20 @@ def test_router_without_embed_gives_a_clear_error(tiny_models):
         r = larql("predict", "--vindex", str(tiny_models["gemma3"]), "--ffn", router.url, "--prompt", PROMPT,
                   "--retries", "1")
         assert r.returncode == 1 and "embed" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_larql_embed_server_that_answers_top_k_json_only(tiny_models):
+    """LARQL's /v1/logits never sends raw f32[vocab]: the client switches to top-k JSON, says so, and
+    greedy decoding stays exact; sampling draws among the top k."""
+    v = tiny_models["gemma3"]
+    local = Transformer.local(v)
+    want = list(local.generate(IDS[:4], 8, stop_ids=[]))
+    with StubEmbed(v, larql_logits=True) as stub, inproc.shard(v, "0-1") as shard:
+        notes = []
+        remote = build_remote(Vindex.open(v), remote_args(ffn=shard.url, embed=stub.url, logits_top_k=8))
+        remote.head.notice = notes.append
+        assert list(remote.generate(IDS[:4], 8, stop_ids=[])) == want
+        assert remote.head.mode == "top-k JSON" and "top 8" in notes[0] and len(notes) == 1
+        top8 = set(np.argsort(-local.next_logits(IDS[:4]))[:8].tolist())
+        sampled = {next(remote.generate(IDS[:4], 1, temperature=8.0, seed=s, stop_ids=[])) for s in range(24)}
+        assert sampled <= top8 and len(sampled) > 1

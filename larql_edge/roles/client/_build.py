@@ -10,6 +10,7 @@ from ``--ffn`` when it is a router, which proxies the embed server), the FFN of 
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from larql_edge.config import Flags
@@ -30,6 +31,8 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
           'or shards by layer range "0-8=URL,9-17=URL"')
     f.switch("--ffn-f16", help="ask for f16 FFN replies (half the bytes; not bit-exact)")
     f.add("--timeout", type=float, default=30.0, help="seconds to wait for one remote reply")
+    f.add("--logits-top-k", type=int, default=64,
+          help="with an embed server that answers top-k JSON only (LARQL's): how many candidates to ask for")
     f.add("--retries", type=int, default=10, help="attempts beyond the first for a failed remote request "
           "(on the next replica, with exponential backoff capped at 2 s: ~15 s in all by default)")
 
@@ -101,6 +104,7 @@ def build_remote(vx: Vindex, args: argparse.Namespace) -> Transformer:
         attn=load_attention(vx, spec, be),
         embedder=RemoteEmbed(embed_replicas, embed_urls, spec.hidden_size),
         ffn_provider=ffn,
-        head=RemoteHead(embed_replicas, embed_urls, spec.hidden_size, spec.vocab_size),
+        head=RemoteHead(embed_replicas, embed_urls, spec.hidden_size, spec.vocab_size, top_k=args.logits_top_k,
+                        notice=lambda text: print(f"larql: {text}", file=sys.stderr)),
         backend=be,
     )

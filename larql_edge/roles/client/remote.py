@@ -14,6 +14,7 @@ The caller's mistake is never retried. A layer that no target serves is an error
 
 from __future__ import annotations
 
+import json as json_lib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -135,22 +136,64 @@ class RemoteEmbed:
 
 
 class RemoteHead:
-    """Pre-final-norm residual rows -> logits, from POST /v1/logits (binary in, raw f32 logits out)."""
+    """Pre-final-norm residual rows -> logits, from POST /v1/logits.
 
-    def __init__(self, replicas: Replicas, urls: Sequence[str], hidden: int, vocab: int):
+    larql-edge's embed server answers raw ``f32[vocab]`` logits to ``Accept: application/x-larql-ffn``.
+    LARQL's own answers top-k JSON only; when a reply comes back as JSON the head switches, once, to
+    asking for the top ``top_k`` as JSON and builds logits from them: each returned id gets its
+    log-probability, every other id -inf. Greedy decoding is then exact; sampling draws among those k
+    (the mass outside them is not offered). ``mode`` says which is in use ("raw" or "top-k JSON").
+    """
+
+    def __init__(self, replicas: Replicas, urls: Sequence[str], hidden: int, vocab: int, top_k: int = 64,
+                 notice: Callable[[str], None] | None = None):
         self.replicas, self.urls, self.hidden, self.vocab = replicas, list(urls), hidden, vocab
+        self.top_k = max(1, min(top_k, vocab))
+        self.mode = "raw"
+        self.notice = notice
+
+    def _raw(self, row: np.ndarray) -> np.ndarray | None:
+        def decode(r: Reply) -> np.ndarray | None:
+            if r.headers.get("content-type", "").startswith("application/json"):
+                return None  # a server that only answers top-k JSON (LARQL's)
+            return embed_wire.decode_logits_response(r.content, self.vocab)
+
+        return self.replicas.request(self.urls, "POST", "/v1/logits", content=embed_wire.encode_logits_request(row),
+                                     headers={"content-type": ffn_wire.CONTENT_TYPE, "accept": ffn_wire.CONTENT_TYPE},
+                                     decode=decode)
+
+    def _top_k(self, row: np.ndarray) -> np.ndarray:
+        def decode(r: Reply) -> np.ndarray:
+            try:
+                top = r.json()["top_k"]
+                out = np.full(self.vocab, -np.inf, dtype=np.float32)
+                for t in top:
+                    i, p = int(t["token_id"]), float(t["prob"])
+                    if not (0 <= i < self.vocab and 0.0 <= p <= 1.0):
+                        raise ValueError(f"token {i} with probability {p}")
+                    out[i] = np.log(p) if p > 0 else -np.inf
+            except (ValueError, KeyError, TypeError) as e:
+                raise RemoteError(f"malformed top-k logits ({e})") from None
+            if not np.isfinite(out).any():
+                raise RemoteError("top-k logits name no token")
+            return out
+
+        body = json_lib.dumps({"residual": row.tolist(), "top_k": self.top_k, "temperature": 1.0}).encode()
+        return self.replicas.request(self.urls, "POST", "/v1/logits", content=body,
+                                     headers={"content-type": "application/json"}, decode=decode)
 
     def logits(self, h: np.ndarray) -> np.ndarray:
         rows = np.atleast_2d(np.asarray(h, dtype=np.float32))
         out = np.empty((rows.shape[0], self.vocab), dtype=np.float32)
-
-        def decode(r: Reply) -> np.ndarray:
-            return embed_wire.decode_logits_response(r.content, self.vocab)
-
         for i, row in enumerate(rows):  # the endpoint takes one position; decode asks for one
-            out[i] = self.replicas.request(self.urls, "POST", "/v1/logits", content=embed_wire.encode_logits_request(row),
-                                           headers={"content-type": ffn_wire.CONTENT_TYPE, "accept": ffn_wire.CONTENT_TYPE},
-                                           decode=decode)
+            got = self._raw(row) if self.mode == "raw" else None
+            if got is None:
+                if self.mode == "raw":
+                    self.mode = "top-k JSON"
+                    if self.notice is not None:
+                        self.notice(f"the embed server answers top-k JSON logits only (LARQL): using its top {self.top_k}")
+                got = self._top_k(row)
+            out[i] = got
         return out
 
 
