@@ -153,6 +153,12 @@ class UnsupportedTensorType(SourceError):
     kind = "unsupported_tensor_type"
 
 
+class SetupError(LarqlError):
+    """The machine or container cannot host the process as configured (e.g. no writable folder)."""
+
+    exit_code, kind = 2, "setup"
+
+
 class OutputExists(LarqlError):
     """The output folder exists and --force was not given (or it is not ours to replace)."""
 

@@ -131,7 +131,7 @@ class Grid:
             pass
 
     def start(self, alias: str, role: str, *, command: list[str] | None = None, env: dict | None = None,
-              ports: tuple[int, ...] = (), entrypoint: list[str] | None = None):
+              ports: tuple[int, ...] = (), entrypoint: list[str] | None = None, **docker_kwargs):
         from testcontainers.core.container import DockerContainer
 
         c = (DockerContainer(image(role))
@@ -144,7 +144,7 @@ class Grid:
             c.ports[f"{p}/tcp"] = ("127.0.0.1", None)
         if command:
             c.with_command(command)
-        kwargs = {"labels": {LABEL: SESSION}}
+        kwargs = {"labels": {LABEL: SESSION}, **docker_kwargs}  # e.g. read_only=True, tmpfs={...}
         if entrypoint:
             kwargs["entrypoint"] = entrypoint
         c.with_kwargs(**kwargs)

@@ -154,6 +154,25 @@ def test_embed_image_serves_gemma_with_no_arguments(images):
         assert users == {"10001"}, top_proc
 
 
+def test_read_only_embed_container_says_what_to_mount_then_serves(images):
+    """`docker run --read-only larql-embed`: one line naming the fix and a non-zero exit, not a traceback;
+    with the tmpfs it names, the same read-only container is healthy and serves rows and logits."""
+    with dk.Grid("embed-ro") as g:
+        c = g.start("ro", "embed", read_only=True)
+        code = g.wrapped("ro").wait(timeout=120)["StatusCode"]
+        err = g.wrapped("ro").logs(stdout=False, stderr=True).decode(errors="replace").strip()
+        assert code == 2 and "--tmpfs /tmp" in err and "Traceback" not in err and len(err.splitlines()) == 1, err
+        c.stop()
+        g.containers.pop("ro")
+        g.start("embed", "embed", ports=(8082,), read_only=True, tmpfs={"/tmp": "size=64m"})
+        g.wait_healthy("embed", timeout=180)
+        url = g.url("embed", 8082)
+        assert httpx.get(f"{url}/v1/embed/9079", timeout=10).status_code == 200
+        top = httpx.post(f"{url}/v1/logits", timeout=30, content=b"\0" * (640 * 4),
+                         headers={"content-type": "application/x-larql-ffn"})
+        assert top.status_code == 200, top.text + g.logs("embed")
+
+
 def test_images_carry_the_same_f16_vindex_as_the_local_reference(images, gemma_f16):
     """The slicer image's Gemma vindex is byte-identical (per its checksums) to the host's f16 one."""
     import json

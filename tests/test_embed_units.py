@@ -293,6 +293,19 @@ def test_every_flag_has_an_env_twin(monkeypatch, tiny_models):
     assert [m.id for m in cfg.models] == ["tiny", "gemma3-hf"]  # index.json "model" of the tiny Gemma
 
 
+def test_no_writable_temporary_folder_is_one_line(monkeypatch, tiny_models, capsys):
+    """`docker run --read-only larql-embed`: the metrics folder cannot be made; say what to mount."""
+    import tempfile
+
+    from larql_edge.roles.embed.cli import main
+
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+    monkeypatch.setattr(tempfile, "tempdir", "/nonexistent-read-only")
+    assert main([str(tiny_models["gemma3"]), "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--tmpfs /tmp" in err and "Traceback" not in err
+
+
 # -- the reusable metrics helper ------------------------------------------------------------------------
 
 

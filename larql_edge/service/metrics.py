@@ -29,6 +29,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from larql_edge.errors import SetupError
+
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 # Table lookups answer in tens of microseconds, logits in tens of milliseconds: cover both.
@@ -48,9 +50,18 @@ def prepare_multiprocess(role: str) -> Path:
     given = os.environ.get(MULTIPROC_ENV)
     if given:
         p = Path(given)
-        p.mkdir(parents=True, exist_ok=True)
+        try:
+            p.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise SetupError(f"{MULTIPROC_ENV}={given} cannot be made: {e.strerror or e}") from None
         return p
-    p = Path(tempfile.mkdtemp(prefix=f"larql-{role}-metrics-"))
+    try:
+        p = Path(tempfile.mkdtemp(prefix=f"larql-{role}-metrics-"))
+    except OSError as e:  # a read-only container: say what to mount instead of a traceback
+        raise SetupError(
+            f"no writable temporary folder for the workers' metrics ({e.strerror or e}); a read-only container "
+            f"needs one, e.g. docker run --read-only --tmpfs /tmp ..., or set {MULTIPROC_ENV}"
+        ) from None
     os.environ[MULTIPROC_ENV] = str(p)
     atexit.register(shutil.rmtree, p, ignore_errors=True)
     return p

@@ -129,7 +129,11 @@ def main(argv: list[str] | None = None) -> int:
     export_blas_threads(cfg.blas_threads)
     from larql_edge.service.metrics import prepare_multiprocess
 
-    prepare_multiprocess("embed")
+    try:
+        prepare_multiprocess("embed")
+    except LarqlError as e:
+        print(f"larql-embed: {e}", file=sys.stderr)
+        return e.exit_code
     from larql_edge.roles.embed.app import create_app
 
     serve(partial(create_app, cfg), cfg.host, cfg.port, workers=cfg.workers, access_log=cfg.access_log)
