@@ -1,0 +1,480 @@
+"""numba kernels: ``y = x @ W.T`` computed straight from GGUF/ggml block bytes.
+
+Every kernel works the same way, row by row of ``W`` (rows split across numba's threads):
+
+1. decode the row's blocks into a small float32 row buffer (L1-resident: at most a few KiB),
+2. dot that buffer with every row of ``x``, four rows of ``x`` at a time so that each decoded
+   weight is loaded once per four multiply-adds.
+
+Nothing larger than one row is ever decoded, and the weight bytes are read in place (they can be a
+read-only memory map of the vindex file). ``ncols`` is the number of real columns: blocks are
+decoded only up to it, so the zero padding LARQL adds to K-quant rows (to a multiple of 256) is
+never read or multiplied. ``x`` must have at least ``ncols`` columns.
+
+All kernels are compiled with ``parallel=True`` only: numba's on-disk cache does not key on the
+``parallel`` flag, so a serial twin of the same function could silently replace this build. One
+thread is chosen with ``numba.set_num_threads(1)`` instead.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic
+
+# Rows of W per parallel task: large enough that scheduling and the per-task buffers cost
+# nothing, small enough that 2 threads stay balanced on the smallest products (256 rows).
+_ROWS_PER_TASK = 32
+
+_JIT = dict(parallel=True, fastmath=True, cache=True, nogil=True, error_model="numpy", boundscheck=False)
+
+
+@intrinsic
+def _half_bits_to_f32(typingctx, bits):
+    """IEEE half (given as its 16 raw bits) -> float32; compiles to F16C ``vcvtph2ps`` on x86."""
+    if not isinstance(bits, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        v = args[0]
+        if v.type.width > 16:
+            v = builder.trunc(v, ir.IntType(16))
+        elif v.type.width < 16:
+            v = builder.zext(v, ir.IntType(16))
+        return builder.fpext(builder.bitcast(v, ir.HalfType()), ir.FloatType())
+
+    return types.float32(bits), codegen
+
+
+@njit(inline="always")
+def _half_at(raw, r, o):
+    return _half_bits_to_f32(np.uint16(raw[r, o]) | (np.uint16(raw[r, o + 1]) << np.uint16(8)))
+
+
+# -- per-group weights ---------------------------------------------------------------------------
+#
+# A row of W is walked in groups (32 values for Q8_0, 64 for Q4_K and f16, 128 for Q6_K). For each
+# group, ``_fma1_*`` adds ``w * x[i]`` and ``_fma4_*`` adds ``w * x[i..i+3]`` (one decoded weight,
+# four multiply-adds) into G-wide lane accumulators ``acc[k, :G]``, reduced once per row.
+#
+# The shape matters, measured: a per-group dot product with a scalar result, or decoding a group
+# into a buffer first, made LLVM vectorize across groups (byte gathers) and ran 3-6x slower; lane
+# accumulators carry a dependence across groups that keeps the vectorizer on the lanes.
+
+
+@njit(inline="always")
+def _fma1_q8_0(raw, qi, r, g, ncols, x, i, acc):
+    # block_q8_0 (34 bytes / 32 values): f16 d, int8 qs[32]; w = d * q
+    o = g * 34
+    d = _half_at(raw, r, o)
+    base = g * 32
+    for j in range(32):
+        acc[0, j] += d * (np.float32(qi[r, o + 2 + j]) * x[i, base + j])
+
+
+@njit(inline="always")
+def _fma4_q8_0(raw, qi, r, g, ncols, x, i, acc):
+    o = g * 34
+    d = _half_at(raw, r, o)
+    base = g * 32
+    for j in range(32):
+        w = d * np.float32(qi[r, o + 2 + j])
+        acc[0, j] += w * x[i, base + j]
+        acc[1, j] += w * x[i + 1, base + j]
+        acc[2, j] += w * x[i + 2, base + j]
+        acc[3, j] += w * x[i + 3, base + j]
+
+
+@njit(inline="always")
+def _q4_k_params(raw, r, g):
+    # block_q4_K (144 bytes / 256 values): f16 d, f16 dmin, scales[12] (eight 6-bit scale/min
+    # pairs), qs[128]. Group g = chunk c of block b: 32 bytes whose low nibbles are values
+    # 64c..64c+31 (sub-block 2c) and high nibbles 64c+32..64c+63 (sub-block 2c+1).
+    # w = d * sc * q - dmin * m   (ggml's get_scale_min_k4 / dequantize_row_q4_K)
+    b = g // 4
+    c = g % 4
+    o = b * 144
+    d = _half_at(raw, r, o)
+    dmin = _half_at(raw, r, o + 2)
+    sc = o + 4
+    j = 2 * c
+    if j < 4:
+        s1 = raw[r, sc + j] & 63
+        m1 = raw[r, sc + j + 4] & 63
+        s2 = raw[r, sc + j + 1] & 63
+        m2 = raw[r, sc + j + 5] & 63
+    else:
+        s1 = (raw[r, sc + j + 4] & 0xF) | ((raw[r, sc + j - 4] >> 6) << 4)
+        m1 = (raw[r, sc + j + 4] >> 4) | ((raw[r, sc + j] >> 6) << 4)
+        s2 = (raw[r, sc + j + 5] & 0xF) | ((raw[r, sc + j - 3] >> 6) << 4)
+        m2 = (raw[r, sc + j + 5] >> 4) | ((raw[r, sc + j + 1] >> 6) << 4)
+    return (d * np.float32(s1), dmin * np.float32(m1), d * np.float32(s2), dmin * np.float32(m2),
+            o + 16 + c * 32)
+
+
+@njit(inline="always")
+def _fma1_q4_k(raw, qi, r, g, ncols, x, i, acc):
+    d1, n1, d2, n2, q = _q4_k_params(raw, r, g)
+    base = g * 64
+    for l in range(32):
+        v = raw[r, q + l]
+        acc[0, l] += (d1 * np.float32(v & 0xF) - n1) * x[i, base + l]
+        acc[0, 32 + l] += (d2 * np.float32(v >> 4) - n2) * x[i, base + 32 + l]
+
+
+@njit(inline="always")
+def _fma4_q4_k(raw, qi, r, g, ncols, x, i, acc):
+    d1, n1, d2, n2, q = _q4_k_params(raw, r, g)
+    base = g * 64
+    for l in range(32):
+        v = raw[r, q + l]
+        w = d1 * np.float32(v & 0xF) - n1
+        acc[0, l] += w * x[i, base + l]
+        acc[1, l] += w * x[i + 1, base + l]
+        acc[2, l] += w * x[i + 2, base + l]
+        acc[3, l] += w * x[i + 3, base + l]
+        w = d2 * np.float32(v >> 4) - n2
+        acc[0, 32 + l] += w * x[i, base + 32 + l]
+        acc[1, 32 + l] += w * x[i + 1, base + 32 + l]
+        acc[2, 32 + l] += w * x[i + 2, base + 32 + l]
+        acc[3, 32 + l] += w * x[i + 3, base + 32 + l]
+
+
+# block_q6_K (210 bytes / 256 values): ql[128] (low nibbles), qh[64] (2 high bits each), int8
+# scales[16] (one per 16 values), f16 d; w = d * scale * (q - 32). Group g is half h of block b
+# (128 values): four runs k of 32 taking the low (k < 2) or high nibble of ql[l + 32 * (k & 1)] and
+# bits 2k..2k+1 of qh[l], each run two scales of 16 (ggml's dequantize_row_q6_K). The eight runs of
+# 16 are written out so that every shift and scale index is a constant (a loop over them did not
+# vectorize).
+
+
+@njit(inline="always")
+def _fma1_q6_k(raw, qi, r, g, ncols, x, i, acc):
+    b = g // 2
+    h = g % 2
+    o = b * 210
+    d = _half_at(raw, r, o + 208)
+    ql = o + h * 64
+    qh = o + 128 + h * 32
+    sc = o + 192 + h * 8
+    base = g * 128
+    s = d * np.float32(qi[r, sc + 0])
+    for l in range(0, 16):
+        q = np.int32(((raw[r, ql + 0 + l] >> 0) & 0xF) | (((raw[r, qh + l] >> 0) & 3) << 4)) - 32
+        acc[0, 0 + l] += (s * np.float32(q)) * x[i, base + 0 + l]
+    s = d * np.float32(qi[r, sc + 1])
+    for l in range(16, 32):
+        q = np.int32(((raw[r, ql + 0 + l] >> 0) & 0xF) | (((raw[r, qh + l] >> 0) & 3) << 4)) - 32
+        acc[0, 0 + l] += (s * np.float32(q)) * x[i, base + 0 + l]
+    s = d * np.float32(qi[r, sc + 2])
+    for l in range(0, 16):
+        q = np.int32(((raw[r, ql + 32 + l] >> 0) & 0xF) | (((raw[r, qh + l] >> 2) & 3) << 4)) - 32
+        acc[0, 32 + l] += (s * np.float32(q)) * x[i, base + 32 + l]
+    s = d * np.float32(qi[r, sc + 3])
+    for l in range(16, 32):
+        q = np.int32(((raw[r, ql + 32 + l] >> 0) & 0xF) | (((raw[r, qh + l] >> 2) & 3) << 4)) - 32
+        acc[0, 32 + l] += (s * np.float32(q)) * x[i, base + 32 + l]
+    s = d * np.float32(qi[r, sc + 4])
+    for l in range(0, 16):
+        q = np.int32(((raw[r, ql + 0 + l] >> 4) & 0xF) | (((raw[r, qh + l] >> 4) & 3) << 4)) - 32
+        acc[0, 64 + l] += (s * np.float32(q)) * x[i, base + 64 + l]
+    s = d * np.float32(qi[r, sc + 5])
+    for l in range(16, 32):
+        q = np.int32(((raw[r, ql + 0 + l] >> 4) & 0xF) | (((raw[r, qh + l] >> 4) & 3) << 4)) - 32
+        acc[0, 64 + l] += (s * np.float32(q)) * x[i, base + 64 + l]
+    s = d * np.float32(qi[r, sc + 6])
+    for l in range(0, 16):
+        q = np.int32(((raw[r, ql + 32 + l] >> 4) & 0xF) | (((raw[r, qh + l] >> 6) & 3) << 4)) - 32
+        acc[0, 96 + l] += (s * np.float32(q)) * x[i, base + 96 + l]
+    s = d * np.float32(qi[r, sc + 7])
+    for l in range(16, 32):
+        q = np.int32(((raw[r, ql + 32 + l] >> 4) & 0xF) | (((raw[r, qh + l] >> 6) & 3) << 4)) - 32
+        acc[0, 96 + l] += (s * np.float32(q)) * x[i, base + 96 + l]
+
+
+@njit(inline="always")
+def _fma4_q6_k(raw, qi, r, g, ncols, x, i, acc):
+    b = g // 2
+    h = g % 2
+    o = b * 210
+    d = _half_at(raw, r, o + 208)
+    ql = o + h * 64
+    qh = o + 128 + h * 32
+    sc = o + 192 + h * 8
+    base = g * 128
+    s = d * np.float32(qi[r, sc + 0])
+    for l in range(0, 16):
+        q = np.int32(((raw[r, ql + 0 + l] >> 0) & 0xF) | (((raw[r, qh + l] >> 0) & 3) << 4)) - 32
+        w = s * np.float32(q)
+        c = base + 0 + l
+        acc[0, 0 + l] += w * x[i + 0, c]
+        acc[1, 0 + l] += w * x[i + 1, c]
+        acc[2, 0 + l] += w * x[i + 2, c]
+        acc[3, 0 + l] += w * x[i + 3, c]
+    s = d * np.float32(qi[r, sc + 1])
+    for l in range(16, 32):
+        q = np.int32(((raw[r, ql + 0 + l] >> 0) & 0xF) | (((raw[r, qh + l] >> 0) & 3) << 4)) - 32
+        w = s * np.float32(q)
+        c = base + 0 + l
+        acc[0, 0 + l] += w * x[i + 0, c]
+        acc[1, 0 + l] += w * x[i + 1, c]
+        acc[2, 0 + l] += w * x[i + 2, c]
+        acc[3, 0 + l] += w * x[i + 3, c]
+    s = d * np.float32(qi[r, sc + 2])
+    for l in range(0, 16):
+        q = np.int32(((raw[r, ql + 32 + l] >> 0) & 0xF) | (((raw[r, qh + l] >> 2) & 3) << 4)) - 32
+        w = s * np.float32(q)
+        c = base + 32 + l
+        acc[0, 32 + l] += w * x[i + 0, c]
+        acc[1, 32 + l] += w * x[i + 1, c]
+        acc[2, 32 + l] += w * x[i + 2, c]
+        acc[3, 32 + l] += w * x[i + 3, c]
+    s = d * np.float32(qi[r, sc + 3])
+    for l in range(16, 32):
+        q = np.int32(((raw[r, ql + 32 + l] >> 0) & 0xF) | (((raw[r, qh + l] >> 2) & 3) << 4)) - 32
+        w = s * np.float32(q)
+        c = base + 32 + l
+        acc[0, 32 + l] += w * x[i + 0, c]
+        acc[1, 32 + l] += w * x[i + 1, c]
+        acc[2, 32 + l] += w * x[i + 2, c]
+        acc[3, 32 + l] += w * x[i + 3, c]
+    s = d * np.float32(qi[r, sc + 4])
+    for l in range(0, 16):
+        q = np.int32(((raw[r, ql + 0 + l] >> 4) & 0xF) | (((raw[r, qh + l] >> 4) & 3) << 4)) - 32
+        w = s * np.float32(q)
+        c = base + 64 + l
+        acc[0, 64 + l] += w * x[i + 0, c]
+        acc[1, 64 + l] += w * x[i + 1, c]
+        acc[2, 64 + l] += w * x[i + 2, c]
+        acc[3, 64 + l] += w * x[i + 3, c]
+    s = d * np.float32(qi[r, sc + 5])
+    for l in range(16, 32):
+        q = np.int32(((raw[r, ql + 0 + l] >> 4) & 0xF) | (((raw[r, qh + l] >> 4) & 3) << 4)) - 32
+        w = s * np.float32(q)
+        c = base + 64 + l
+        acc[0, 64 + l] += w * x[i + 0, c]
+        acc[1, 64 + l] += w * x[i + 1, c]
+        acc[2, 64 + l] += w * x[i + 2, c]
+        acc[3, 64 + l] += w * x[i + 3, c]
+    s = d * np.float32(qi[r, sc + 6])
+    for l in range(0, 16):
+        q = np.int32(((raw[r, ql + 32 + l] >> 4) & 0xF) | (((raw[r, qh + l] >> 6) & 3) << 4)) - 32
+        w = s * np.float32(q)
+        c = base + 96 + l
+        acc[0, 96 + l] += w * x[i + 0, c]
+        acc[1, 96 + l] += w * x[i + 1, c]
+        acc[2, 96 + l] += w * x[i + 2, c]
+        acc[3, 96 + l] += w * x[i + 3, c]
+    s = d * np.float32(qi[r, sc + 7])
+    for l in range(16, 32):
+        q = np.int32(((raw[r, ql + 32 + l] >> 4) & 0xF) | (((raw[r, qh + l] >> 6) & 3) << 4)) - 32
+        w = s * np.float32(q)
+        c = base + 96 + l
+        acc[0, 96 + l] += w * x[i + 0, c]
+        acc[1, 96 + l] += w * x[i + 1, c]
+        acc[2, 96 + l] += w * x[i + 2, c]
+        acc[3, 96 + l] += w * x[i + 3, c]
+
+
+@njit(inline="always")
+def _fma1_f16(raw, qi, r, g, ncols, x, i, acc):
+    # f16 rows are not padded: x is (by the caller) and the tail group stops at ncols.
+    base = g * 64
+    if base + 64 <= ncols:
+        for j in range(64):
+            acc[0, j] += _half_bits_to_f32(raw[r, base + j]) * x[i, base + j]
+    else:
+        for j in range(ncols - base):
+            acc[0, j] += _half_bits_to_f32(raw[r, base + j]) * x[i, base + j]
+
+
+@njit(inline="always")
+def _fma4_f16(raw, qi, r, g, ncols, x, i, acc):
+    base = g * 64
+    if base + 64 <= ncols:
+        for j in range(64):
+            w = _half_bits_to_f32(raw[r, base + j])
+            acc[0, j] += w * x[i, base + j]
+            acc[1, j] += w * x[i + 1, base + j]
+            acc[2, j] += w * x[i + 2, base + j]
+            acc[3, j] += w * x[i + 3, base + j]
+    else:
+        for j in range(ncols - base):
+            w = _half_bits_to_f32(raw[r, base + j])
+            acc[0, j] += w * x[i, base + j]
+            acc[1, j] += w * x[i + 1, base + j]
+            acc[2, j] += w * x[i + 2, base + j]
+            acc[3, j] += w * x[i + 3, base + j]
+
+
+@njit(inline="always")
+def _store(acc, k, out, i, r):
+    for kk in range(k):
+        s = np.float32(0.0)
+        for j in range(acc.shape[1]):
+            s += acc[kk, j]
+            acc[kk, j] = 0.0
+        out[i + kk, r] = s
+
+
+# -- kernels --------------------------------------------------------------------------------------
+# One explicit set per format (not made by a factory: numba's cache keys on the function's
+# qualified name and source line, so factory-made twins would collide in it).
+
+
+
+@njit(**_JIT)
+def q8_0_matmul(raw, x, ncols, out):
+    """out[n, rows] = x[n, :ncols] @ W[:, :ncols].T, W given as its block bytes ``raw``."""
+    rows = raw.shape[0]
+    n = x.shape[0]
+    qi = raw.view(np.int8)
+    ngroups = (ncols + 32 - 1) // 32
+    for t in prange((rows + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
+        acc = np.zeros((4, 32), np.float32)
+        for r in range(t * _ROWS_PER_TASK, min(rows, (t + 1) * _ROWS_PER_TASK)):
+            i = 0
+            while i + 4 <= n:
+                for g in range(ngroups):
+                    _fma4_q8_0(raw, qi, r, g, ncols, x, i, acc)
+                _store(acc, 4, out, i, r)
+                i += 4
+            while i < n:
+                for g in range(ngroups):
+                    _fma1_q8_0(raw, qi, r, g, ncols, x, i, acc)
+                _store(acc, 1, out, i, r)
+                i += 1
+
+
+@njit(**_JIT)
+def q8_0_rows(raw, idx, ncols, out):
+    """out[k, :] = W[idx[k], :] (out has ngroups * G columns; the caller slices off padding)."""
+    qi = raw.view(np.int8)
+    ngroups = (ncols + 32 - 1) // 32
+    ones = np.ones((1, ngroups * 32), np.float32)
+    for k in prange(idx.size):
+        # one group at a time through the one-row kernel with x = 1: acc holds that group's weights
+        acc = np.zeros((4, 32), np.float32)
+        for g in range(ngroups):
+            _fma1_q8_0(raw, qi, idx[k], g, ncols, ones, 0, acc)
+            for j in range(32):
+                out[k, g * 32 + j] = acc[0, j]
+                acc[0, j] = 0.0
+
+
+@njit(**_JIT)
+def q4_k_matmul(raw, x, ncols, out):
+    """out[n, rows] = x[n, :ncols] @ W[:, :ncols].T, W given as its block bytes ``raw``."""
+    rows = raw.shape[0]
+    n = x.shape[0]
+    qi = raw
+    ngroups = (ncols + 64 - 1) // 64
+    for t in prange((rows + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
+        acc = np.zeros((4, 64), np.float32)
+        for r in range(t * _ROWS_PER_TASK, min(rows, (t + 1) * _ROWS_PER_TASK)):
+            i = 0
+            while i + 4 <= n:
+                for g in range(ngroups):
+                    _fma4_q4_k(raw, qi, r, g, ncols, x, i, acc)
+                _store(acc, 4, out, i, r)
+                i += 4
+            while i < n:
+                for g in range(ngroups):
+                    _fma1_q4_k(raw, qi, r, g, ncols, x, i, acc)
+                _store(acc, 1, out, i, r)
+                i += 1
+
+
+@njit(**_JIT)
+def q4_k_rows(raw, idx, ncols, out):
+    """out[k, :] = W[idx[k], :] (out has ngroups * G columns; the caller slices off padding)."""
+    qi = raw
+    ngroups = (ncols + 64 - 1) // 64
+    ones = np.ones((1, ngroups * 64), np.float32)
+    for k in prange(idx.size):
+        # one group at a time through the one-row kernel with x = 1: acc holds that group's weights
+        acc = np.zeros((4, 64), np.float32)
+        for g in range(ngroups):
+            _fma1_q4_k(raw, qi, idx[k], g, ncols, ones, 0, acc)
+            for j in range(64):
+                out[k, g * 64 + j] = acc[0, j]
+                acc[0, j] = 0.0
+
+
+@njit(**_JIT)
+def q6_k_matmul(raw, x, ncols, out):
+    """out[n, rows] = x[n, :ncols] @ W[:, :ncols].T, W given as its block bytes ``raw``."""
+    rows = raw.shape[0]
+    n = x.shape[0]
+    qi = raw.view(np.int8)
+    ngroups = (ncols + 128 - 1) // 128
+    for t in prange((rows + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
+        acc = np.zeros((4, 128), np.float32)
+        for r in range(t * _ROWS_PER_TASK, min(rows, (t + 1) * _ROWS_PER_TASK)):
+            i = 0
+            while i + 4 <= n:
+                for g in range(ngroups):
+                    _fma4_q6_k(raw, qi, r, g, ncols, x, i, acc)
+                _store(acc, 4, out, i, r)
+                i += 4
+            while i < n:
+                for g in range(ngroups):
+                    _fma1_q6_k(raw, qi, r, g, ncols, x, i, acc)
+                _store(acc, 1, out, i, r)
+                i += 1
+
+
+@njit(**_JIT)
+def q6_k_rows(raw, idx, ncols, out):
+    """out[k, :] = W[idx[k], :] (out has ngroups * G columns; the caller slices off padding)."""
+    qi = raw.view(np.int8)
+    ngroups = (ncols + 128 - 1) // 128
+    ones = np.ones((1, ngroups * 128), np.float32)
+    for k in prange(idx.size):
+        # one group at a time through the one-row kernel with x = 1: acc holds that group's weights
+        acc = np.zeros((4, 128), np.float32)
+        for g in range(ngroups):
+            _fma1_q6_k(raw, qi, idx[k], g, ncols, ones, 0, acc)
+            for j in range(128):
+                out[k, g * 128 + j] = acc[0, j]
+                acc[0, j] = 0.0
+
+
+@njit(**_JIT)
+def f16_matmul(raw, x, ncols, out):
+    """out[n, rows] = x[n, :ncols] @ W[:, :ncols].T, W given as its block bytes ``raw``."""
+    rows = raw.shape[0]
+    n = x.shape[0]
+    qi = raw
+    ngroups = (ncols + 64 - 1) // 64
+    for t in prange((rows + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
+        acc = np.zeros((4, 64), np.float32)
+        for r in range(t * _ROWS_PER_TASK, min(rows, (t + 1) * _ROWS_PER_TASK)):
+            i = 0
+            while i + 4 <= n:
+                for g in range(ngroups):
+                    _fma4_f16(raw, qi, r, g, ncols, x, i, acc)
+                _store(acc, 4, out, i, r)
+                i += 4
+            while i < n:
+                for g in range(ngroups):
+                    _fma1_f16(raw, qi, r, g, ncols, x, i, acc)
+                _store(acc, 1, out, i, r)
+                i += 1
+
+
+@njit(**_JIT)
+def f16_rows(raw, idx, ncols, out):
+    """out[k, :] = W[idx[k], :] (out has ngroups * G columns; the caller slices off padding)."""
+    qi = raw
+    ngroups = (ncols + 64 - 1) // 64
+    ones = np.ones((1, ngroups * 64), np.float32)
+    for k in prange(idx.size):
+        # one group at a time through the one-row kernel with x = 1: acc holds that group's weights
+        acc = np.zeros((4, 64), np.float32)
+        for g in range(ngroups):
+            _fma1_f16(raw, qi, idx[k], g, ncols, ones, 0, acc)
+            for j in range(64):
+                out[k, g * 64 + j] = acc[0, j]
+                acc[0, j] = 0.0
