@@ -1,33 +1,28 @@
 """numba kernels: ``y = x @ W.T`` computed straight from GGUF/ggml block bytes.
 
-Every kernel works the same way, row by row of ``W`` (rows split across numba's threads):
+Every kernel walks W row by row and each row group by group, multiplying the decoded weights into
+lane accumulators (see "per-group weights" below); with several rows of x, each decoded weight is
+used for four of them. Nothing larger than one group of one row is ever decoded, and the weight
+bytes are read in place (they can be a read-only memory map of the vindex file).
 
-1. decode the row's blocks into a small float32 row buffer (L1-resident: at most a few KiB),
-2. dot that buffer with every row of ``x``, four rows of ``x`` at a time so that each decoded
-   weight is loaded once per four multiply-adds.
+``ncols`` is the number of real columns. Groups are decoded only while they start below it, so the
+zero padding LARQL adds to K-quant rows (to a multiple of 256 columns) is read only where a group
+straddles the end; x must have ``ngroups * G`` columns, zero past ``ncols`` (the caller pads), so
+that straddling padding multiplies zeros.
 
-Nothing larger than one row is ever decoded, and the weight bytes are read in place (they can be a
-read-only memory map of the vindex file). ``ncols`` is the number of real columns: blocks are
-decoded only up to it, so the zero padding LARQL adds to K-quant rows (to a multiple of 256) is
-never read or multiplied. ``x`` must have at least ``ncols`` columns.
-
-All kernels are compiled with ``parallel=True`` only: numba's on-disk cache does not key on the
-``parallel`` flag, so a serial twin of the same function could silently replace this build. One
-thread is chosen with ``numba.set_num_threads(1)`` instead.
+The kernels are serial and release the GIL: the caller splits rows across its own threads, so no
+second thread pool (numba's OpenMP/TBB layer) ever competes with BLAS. That also sidesteps numba's
+on-disk cache not keying on ``parallel=``.
 """
 
 from __future__ import annotations
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, prange, types
+from numba import njit, types
 from numba.extending import intrinsic
 
-# Rows of W per parallel task: large enough that scheduling and the per-task buffers cost
-# nothing, small enough that 2 threads stay balanced on the smallest products (256 rows).
-_ROWS_PER_TASK = 32
-
-_JIT = dict(parallel=True, fastmath=True, cache=True, nogil=True, error_model="numpy", boundscheck=False)
+_JIT = dict(fastmath=True, cache=True, nogil=True, error_model="numpy", boundscheck=False)
 
 
 @intrinsic
@@ -319,43 +314,42 @@ def _store(acc, k, out, i, r):
 
 
 # -- kernels --------------------------------------------------------------------------------------
-# One explicit set per format (not made by a factory: numba's cache keys on the function's
-# qualified name and source line, so factory-made twins would collide in it).
-
+# One explicit pair per format (not made by a factory: numba's cache keys on the function's
+# qualified name and source line, so factory-made twins would collide in it). Serial: the caller
+# splits rows across its own threads (the kernels release the GIL), so no second thread pool exists.
 
 
 @njit(**_JIT)
-def q8_0_matmul(raw, x, ncols, out):
-    """out[n, rows] = x[n, :ncols] @ W[:, :ncols].T, W given as its block bytes ``raw``."""
+def q8_0_matmul(raw, x, ncols, out, col0):
+    """out[:, col0 + r] = x[:, :ncols] @ W[r, :ncols] for every row r of ``raw`` (W's block bytes)."""
     rows = raw.shape[0]
     n = x.shape[0]
     qi = raw.view(np.int8)
     ngroups = (ncols + 32 - 1) // 32
-    for t in prange((rows + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
-        acc = np.zeros((4, 32), np.float32)
-        for r in range(t * _ROWS_PER_TASK, min(rows, (t + 1) * _ROWS_PER_TASK)):
-            i = 0
-            while i + 4 <= n:
-                for g in range(ngroups):
-                    _fma4_q8_0(raw, qi, r, g, ncols, x, i, acc)
-                _store(acc, 4, out, i, r)
-                i += 4
-            while i < n:
-                for g in range(ngroups):
-                    _fma1_q8_0(raw, qi, r, g, ncols, x, i, acc)
-                _store(acc, 1, out, i, r)
-                i += 1
+    acc = np.zeros((4, 32), np.float32)
+    for r in range(rows):
+        i = 0
+        while i + 4 <= n:
+            for g in range(ngroups):
+                _fma4_q8_0(raw, qi, r, g, ncols, x, i, acc)
+            _store(acc, 4, out, i, col0 + r)
+            i += 4
+        while i < n:
+            for g in range(ngroups):
+                _fma1_q8_0(raw, qi, r, g, ncols, x, i, acc)
+            _store(acc, 1, out, i, col0 + r)
+            i += 1
 
 
 @njit(**_JIT)
 def q8_0_rows(raw, idx, ncols, out):
-    """out[k, :] = W[idx[k], :] (out has ngroups * G columns; the caller slices off padding)."""
+    """out[k, :] = W[idx[k], :] decoded (out has ngroups * G columns: the caller slices off padding)."""
     qi = raw.view(np.int8)
     ngroups = (ncols + 32 - 1) // 32
+    # one group at a time through the one-row FMA with x = 1: acc then holds that group's weights
     ones = np.ones((1, ngroups * 32), np.float32)
-    for k in prange(idx.size):
-        # one group at a time through the one-row kernel with x = 1: acc holds that group's weights
-        acc = np.zeros((4, 32), np.float32)
+    acc = np.zeros((4, 32), np.float32)
+    for k in range(idx.size):
         for g in range(ngroups):
             _fma1_q8_0(raw, qi, idx[k], g, ncols, ones, 0, acc)
             for j in range(32):
@@ -364,37 +358,36 @@ def q8_0_rows(raw, idx, ncols, out):
 
 
 @njit(**_JIT)
-def q4_k_matmul(raw, x, ncols, out):
-    """out[n, rows] = x[n, :ncols] @ W[:, :ncols].T, W given as its block bytes ``raw``."""
+def q4_k_matmul(raw, x, ncols, out, col0):
+    """out[:, col0 + r] = x[:, :ncols] @ W[r, :ncols] for every row r of ``raw`` (W's block bytes)."""
     rows = raw.shape[0]
     n = x.shape[0]
     qi = raw
     ngroups = (ncols + 64 - 1) // 64
-    for t in prange((rows + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
-        acc = np.zeros((4, 64), np.float32)
-        for r in range(t * _ROWS_PER_TASK, min(rows, (t + 1) * _ROWS_PER_TASK)):
-            i = 0
-            while i + 4 <= n:
-                for g in range(ngroups):
-                    _fma4_q4_k(raw, qi, r, g, ncols, x, i, acc)
-                _store(acc, 4, out, i, r)
-                i += 4
-            while i < n:
-                for g in range(ngroups):
-                    _fma1_q4_k(raw, qi, r, g, ncols, x, i, acc)
-                _store(acc, 1, out, i, r)
-                i += 1
+    acc = np.zeros((4, 64), np.float32)
+    for r in range(rows):
+        i = 0
+        while i + 4 <= n:
+            for g in range(ngroups):
+                _fma4_q4_k(raw, qi, r, g, ncols, x, i, acc)
+            _store(acc, 4, out, i, col0 + r)
+            i += 4
+        while i < n:
+            for g in range(ngroups):
+                _fma1_q4_k(raw, qi, r, g, ncols, x, i, acc)
+            _store(acc, 1, out, i, col0 + r)
+            i += 1
 
 
 @njit(**_JIT)
 def q4_k_rows(raw, idx, ncols, out):
-    """out[k, :] = W[idx[k], :] (out has ngroups * G columns; the caller slices off padding)."""
+    """out[k, :] = W[idx[k], :] decoded (out has ngroups * G columns: the caller slices off padding)."""
     qi = raw
     ngroups = (ncols + 64 - 1) // 64
+    # one group at a time through the one-row FMA with x = 1: acc then holds that group's weights
     ones = np.ones((1, ngroups * 64), np.float32)
-    for k in prange(idx.size):
-        # one group at a time through the one-row kernel with x = 1: acc holds that group's weights
-        acc = np.zeros((4, 64), np.float32)
+    acc = np.zeros((4, 64), np.float32)
+    for k in range(idx.size):
         for g in range(ngroups):
             _fma1_q4_k(raw, qi, idx[k], g, ncols, ones, 0, acc)
             for j in range(64):
@@ -403,37 +396,36 @@ def q4_k_rows(raw, idx, ncols, out):
 
 
 @njit(**_JIT)
-def q6_k_matmul(raw, x, ncols, out):
-    """out[n, rows] = x[n, :ncols] @ W[:, :ncols].T, W given as its block bytes ``raw``."""
+def q6_k_matmul(raw, x, ncols, out, col0):
+    """out[:, col0 + r] = x[:, :ncols] @ W[r, :ncols] for every row r of ``raw`` (W's block bytes)."""
     rows = raw.shape[0]
     n = x.shape[0]
     qi = raw.view(np.int8)
     ngroups = (ncols + 128 - 1) // 128
-    for t in prange((rows + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
-        acc = np.zeros((4, 128), np.float32)
-        for r in range(t * _ROWS_PER_TASK, min(rows, (t + 1) * _ROWS_PER_TASK)):
-            i = 0
-            while i + 4 <= n:
-                for g in range(ngroups):
-                    _fma4_q6_k(raw, qi, r, g, ncols, x, i, acc)
-                _store(acc, 4, out, i, r)
-                i += 4
-            while i < n:
-                for g in range(ngroups):
-                    _fma1_q6_k(raw, qi, r, g, ncols, x, i, acc)
-                _store(acc, 1, out, i, r)
-                i += 1
+    acc = np.zeros((4, 128), np.float32)
+    for r in range(rows):
+        i = 0
+        while i + 4 <= n:
+            for g in range(ngroups):
+                _fma4_q6_k(raw, qi, r, g, ncols, x, i, acc)
+            _store(acc, 4, out, i, col0 + r)
+            i += 4
+        while i < n:
+            for g in range(ngroups):
+                _fma1_q6_k(raw, qi, r, g, ncols, x, i, acc)
+            _store(acc, 1, out, i, col0 + r)
+            i += 1
 
 
 @njit(**_JIT)
 def q6_k_rows(raw, idx, ncols, out):
-    """out[k, :] = W[idx[k], :] (out has ngroups * G columns; the caller slices off padding)."""
+    """out[k, :] = W[idx[k], :] decoded (out has ngroups * G columns: the caller slices off padding)."""
     qi = raw.view(np.int8)
     ngroups = (ncols + 128 - 1) // 128
+    # one group at a time through the one-row FMA with x = 1: acc then holds that group's weights
     ones = np.ones((1, ngroups * 128), np.float32)
-    for k in prange(idx.size):
-        # one group at a time through the one-row kernel with x = 1: acc holds that group's weights
-        acc = np.zeros((4, 128), np.float32)
+    acc = np.zeros((4, 128), np.float32)
+    for k in range(idx.size):
         for g in range(ngroups):
             _fma1_q6_k(raw, qi, idx[k], g, ncols, ones, 0, acc)
             for j in range(128):
@@ -442,37 +434,36 @@ def q6_k_rows(raw, idx, ncols, out):
 
 
 @njit(**_JIT)
-def f16_matmul(raw, x, ncols, out):
-    """out[n, rows] = x[n, :ncols] @ W[:, :ncols].T, W given as its block bytes ``raw``."""
+def f16_matmul(raw, x, ncols, out, col0):
+    """out[:, col0 + r] = x[:, :ncols] @ W[r, :ncols] for every row r of ``raw`` (W's block bytes)."""
     rows = raw.shape[0]
     n = x.shape[0]
     qi = raw
     ngroups = (ncols + 64 - 1) // 64
-    for t in prange((rows + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
-        acc = np.zeros((4, 64), np.float32)
-        for r in range(t * _ROWS_PER_TASK, min(rows, (t + 1) * _ROWS_PER_TASK)):
-            i = 0
-            while i + 4 <= n:
-                for g in range(ngroups):
-                    _fma4_f16(raw, qi, r, g, ncols, x, i, acc)
-                _store(acc, 4, out, i, r)
-                i += 4
-            while i < n:
-                for g in range(ngroups):
-                    _fma1_f16(raw, qi, r, g, ncols, x, i, acc)
-                _store(acc, 1, out, i, r)
-                i += 1
+    acc = np.zeros((4, 64), np.float32)
+    for r in range(rows):
+        i = 0
+        while i + 4 <= n:
+            for g in range(ngroups):
+                _fma4_f16(raw, qi, r, g, ncols, x, i, acc)
+            _store(acc, 4, out, i, col0 + r)
+            i += 4
+        while i < n:
+            for g in range(ngroups):
+                _fma1_f16(raw, qi, r, g, ncols, x, i, acc)
+            _store(acc, 1, out, i, col0 + r)
+            i += 1
 
 
 @njit(**_JIT)
 def f16_rows(raw, idx, ncols, out):
-    """out[k, :] = W[idx[k], :] (out has ngroups * G columns; the caller slices off padding)."""
+    """out[k, :] = W[idx[k], :] decoded (out has ngroups * G columns: the caller slices off padding)."""
     qi = raw
     ngroups = (ncols + 64 - 1) // 64
+    # one group at a time through the one-row FMA with x = 1: acc then holds that group's weights
     ones = np.ones((1, ngroups * 64), np.float32)
-    for k in prange(idx.size):
-        # one group at a time through the one-row kernel with x = 1: acc holds that group's weights
-        acc = np.zeros((4, 64), np.float32)
+    acc = np.zeros((4, 64), np.float32)
+    for k in range(idx.size):
         for g in range(ngroups):
             _fma1_f16(raw, qi, idx[k], g, ncols, ones, 0, acc)
             for j in range(64):
