@@ -16,10 +16,11 @@ _MATMUL = {"q8_0": nk.q8_0_matmul, "q4_k": nk.q4_k_matmul, "q6_k": nk.q6_k_matmu
 _ROWS = {"q8_0": nk.q8_0_rows, "q4_k": nk.q4_k_rows, "q6_k": nk.q6_k_rows, "f16": nk.f16_rows}
 
 # From this many rows of x on, a product decodes W tile by tile into float32 and multiplies each
-# tile with BLAS: the fused kernels keep four accumulator rows in memory (numba cannot hold them
-# in registers), so past a few rows BLAS's register-blocked SGEMM wins even with the decode added.
-# Chosen from benchmarks/kernels.py (see DESIGN.md).
-TILED_FROM_ROWS = 8
+# tile with BLAS: the fused kernels keep their accumulators in memory (numba cannot hold them in
+# registers), so past a few rows BLAS's register-blocked SGEMM wins even with the decode added.
+# Measured (1 thread, Gemma shapes): fused wins at <= 8 rows (lm_head 8 rows: 48 vs 85 ms per 65k
+# rows), tiled at >= 16 (gate 16 rows: 1.95 vs 3.4 ms; lm_head 32 rows: 207 vs 301 ms).
+TILED_FROM_ROWS = 16
 _TILE_ROWS = 256  # a 256 x 2048 float32 tile is 2 MiB: it stays in L2/L3 between decode and SGEMM
 
 # A product is split across the kernel threads only if it is at least this many multiply-adds;
