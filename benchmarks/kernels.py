@@ -32,13 +32,13 @@ from pathlib import Path
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-import numpy as np  # noqa: E402
-from threadpoolctl import ThreadpoolController  # noqa: E402
+import numpy as np
+from threadpoolctl import ThreadpoolController
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from larql_edge.model.kernels import CompactMatrix, set_threads  # noqa: E402
+from larql_edge.model.kernels import CompactMatrix, set_threads
 
 ROWS = (1, 8, 16, 32)
 THREADS = (1, 2)
@@ -67,12 +67,11 @@ TORCH_NOTE = (
 
 def real_activations(n_rows: int) -> dict:
     """{(product, layer): x [n_rows, in]} and {"lm_head": x}: inputs captured in the numpy forward."""
+    from larql_edge.format.vindex import Vindex
     from larql_edge.model import ops
     from larql_edge.model.forward import Transformer
-    from larql_edge.tools.slicer.cache import cached_vindex
-
-    from larql_edge.format.vindex import Vindex
     from larql_edge.roles.client._build import load_tokenizer
+    from larql_edge.tools.slicer.cache import cached_vindex
 
     path = cached_vindex("gemma3-270m", dtype="f16")
     model = Transformer.local(path)
@@ -149,7 +148,7 @@ def _unpack_q8_0(m):
 def _unpack_q6_k(m):
     from gguf import quants
 
-    rows, cols = m.shape
+    rows = m.shape[0]
     b = m.data.reshape(rows, -1, 210)
     d = b[:, :, 208:210].copy().view(np.float16)[..., 0].astype(np.float32)
     sc = b[:, :, 192:208].view(np.int8).astype(np.float32)  # [R, nb, 16]
@@ -162,7 +161,7 @@ def _unpack_q6_k(m):
 
 def _unpack_q4_k(m):
     """Q4_K -> 4-bit codes [R, nsub, 32], scales d*sc and offsets dmin*m per 32 values."""
-    rows, cols = m.shape
+    rows = m.shape[0]
     b = m.data.reshape(rows, -1, 144)
     d = b[:, :, 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
     dmin = b[:, :, 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
@@ -338,7 +337,7 @@ def run_all(args, log) -> None:
             errs[k] = max(error(y, r) for y, r in zip(ys, ref_list))
         for _ in range(args.reps if per > 1 else max(2, args.reps - 1)):
             for k, fn in fns.items():
-                times[k] = min(times[k], best_time(lambda: [fn(x) for x in xs_list], 1) / per)
+                times[k] = min(times[k], best_time(lambda fn=fn: [fn(x) for x in xs_list], 1) / per)
         b = times["numpy f32"]
         for k in fns:
             e = "" if k == "numpy f32" else f"{errs[k]:.1e}"
@@ -356,12 +355,12 @@ def run_all(args, log) -> None:
                 cands = {}
                 cands["larql (numba)"] = _multi([numba_candidate(m, threads)[0] for m in ms])
                 try:
-                    cands["onnxruntime acc4"] = _cached(("ort", name, threads), lambda: _multi([ort_candidate(m, threads, 4)[0] for m in ms]))
+                    cands["onnxruntime acc4"] = _cached(("ort", name, threads), lambda ms=ms, threads=threads: _multi([ort_candidate(m, threads, 4)[0] for m in ms]))
                 except Skip:
                     pass
                 if threads == 1:
                     try:
-                        cands["mlx (default thr)"] = _cached(("mlx", name), lambda: _multi([mlx_candidate(m)[0] for m in ms]))
+                        cands["mlx (default thr)"] = _cached(("mlx", name), lambda ms=ms: _multi([mlx_candidate(m)[0] for m in ms]))
                     except Skip:
                         pass
                 base = _multi([numpy_f32(w, threads)[0] for w in ws])
@@ -379,7 +378,7 @@ def run_all(args, log) -> None:
             for threads in THREADS:
                 cands = {"larql (numba)": numba_candidate(m, threads)[0]}
                 if fmt == "q8_0":
-                    cands["onnxruntime acc4"] = _cached(("ort", "lm", threads), lambda: ort_candidate(lm_q8, threads, 4))[0]
+                    cands["onnxruntime acc4"] = _cached(("ort", "lm", threads), lambda threads=threads: ort_candidate(lm_q8, threads, 4))[0]
                     if threads == 1 and n == 1:  # MLX's Linux CPU kernels take seconds per call at 8+ rows
                         cands["mlx (default thr)"] = _cached(("mlx", "lm"), lambda: mlx_candidate(lm_q8))[0]
                 else:
@@ -388,11 +387,11 @@ def run_all(args, log) -> None:
     log("")
 
     # ---- memory held by each form of the lm_head
-    log("lm_head bytes held: f32 %.0f MB, f16 %.0f MB, q8_0 (mapped from the file, zero copy) %.0f MB, "
-        "onnxruntime 8-bit repack %.0f MB (a copy), mlx 8-bit %.0f MB (a copy)" % (
-            lm_w32.nbytes / 1e6, lm_f16.nbytes / 1e6, lm_q8.nbytes / 1e6,
-            _cached(("ort", "lm", 1), lambda: ort_candidate(lm_q8, 1, 4))[1] / 1e6,
-            _cached(("mlx", "lm"), lambda: mlx_candidate(lm_q8))[1] / 1e6))
+    ort_mb = _cached(("ort", "lm", 1), lambda: ort_candidate(lm_q8, 1, 4))[1] / 1e6
+    mlx_mb = _cached(("mlx", "lm"), lambda: mlx_candidate(lm_q8))[1] / 1e6
+    log(f"lm_head bytes held: f32 {lm_w32.nbytes / 1e6:.0f} MB, f16 {lm_f16.nbytes / 1e6:.0f} MB, "
+        f"q8_0 (mapped from the file, zero copy) {lm_q8.nbytes / 1e6:.0f} MB, "
+        f"onnxruntime 8-bit repack {ort_mb:.0f} MB (a copy), mlx 8-bit {mlx_mb:.0f} MB (a copy)")
 
     # ---- decode estimate from the products (one row)
     log("")
@@ -434,7 +433,7 @@ def compile_times(log) -> None:
     with tempfile.TemporaryDirectory() as cache:
         env = {**os.environ, "NUMBA_CACHE_DIR": cache, "PYTHONPATH": str(REPO)}
         for label in ("cold (empty cache)", "cached"):
-            out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+            out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600, check=False)
             if out.returncode:
                 log(f"  warm-up {label}: failed: {out.stderr.strip()[-300:]}")
                 continue
@@ -463,8 +462,9 @@ def main(argv=None) -> None:
         mlx_v = mx.__version__
     except Exception:  # noqa: BLE001
         mlx_v = "not installed"
-    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), platform.processor())
-    flags = next((ln for ln in open("/proc/cpuinfo") if ln.startswith("flags")), "")
+    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []
+    cpu = next((ln.split(":", 1)[1].strip() for ln in cpuinfo if ln.startswith("model name")), platform.processor())
+    flags = next((ln for ln in cpuinfo if ln.startswith("flags")), "")
     simd = " ".join(f for f in ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16") if f" {f}" in flags)
     log(f"kernels benchmark, {time.strftime('%Y-%m-%d %H:%M')}: {cpu}, {os.cpu_count()} CPUs ({simd}); "
         f"load average {os.getloadavg()[0]:.1f} at start")

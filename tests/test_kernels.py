@@ -11,8 +11,12 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, quants
 
-from larql_edge.model.kernels import COMPACT_FORMATS, CompactMatrix, KernelError
-from larql_edge.model.kernels import _matrix
+from larql_edge.model.kernels import (
+    COMPACT_FORMATS,
+    CompactMatrix,
+    KernelError,
+    _matrix,
+)
 
 GGML_TYPE = {"q8_0": GGMLQuantizationType.Q8_0, "q4_k": GGMLQuantizationType.Q4_K, "q6_k": GGMLQuantizationType.Q6_K}
 # Row counts of x that cover the one-row kernel, the four-row kernel plus its tail, and the tiled path.

@@ -44,7 +44,7 @@ class CompactMatrix:
     # -- construction -------------------------------------------------------------------------
 
     @classmethod
-    def from_blocks(cls, raw: np.ndarray, fmt: str, rows: int, cols: int) -> "CompactMatrix":
+    def from_blocks(cls, raw: np.ndarray, fmt: str, rows: int, cols: int) -> CompactMatrix:
         """Wrap a weight's stored bytes (a uint8 view of the file, e.g. a memory map) without copying.
 
         K-quant rows are padded to a multiple of 256 columns (as LARQL and ggml store them); the
@@ -72,7 +72,7 @@ class CompactMatrix:
         return cls(fmt, (rows, cols), data)
 
     @classmethod
-    def from_array(cls, w: np.ndarray) -> "CompactMatrix":
+    def from_array(cls, w: np.ndarray) -> CompactMatrix:
         """An f16 or f32 ``[rows, cols]`` array as it is (no copy if C-contiguous)."""
         if not isinstance(w, np.ndarray) or w.ndim != 2:
             raise KernelError("a weight must be a 2-D numpy array [rows, cols]")
@@ -83,7 +83,7 @@ class CompactMatrix:
         return cls(fmt, w.shape, w.view(np.uint16) if fmt == "f16" else w)
 
     @classmethod
-    def quantize(cls, w: np.ndarray, fmt: str) -> "CompactMatrix":
+    def quantize(cls, w: np.ndarray, fmt: str) -> CompactMatrix:
         """Quantize float weights ``[rows, cols]`` into ``fmt`` (a new in-memory array of its size)."""
         block_format(fmt)
         if not isinstance(w, np.ndarray) or w.ndim != 2 or w.dtype.kind != "f":

@@ -22,7 +22,7 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-_JIT = dict(fastmath=True, cache=True, nogil=True, error_model="numpy", boundscheck=False)
+_JIT = {"fastmath": True, "cache": True, "nogil": True, "error_model": "numpy", "boundscheck": False}
 
 
 @intrinsic

@@ -36,7 +36,7 @@ def quantize_q8_0(w: np.ndarray) -> np.ndarray:
 
 
 def quantize_q4_k(w: np.ndarray) -> np.ndarray:
-    rows, cols = w.shape
+    rows = w.shape[0]
     b = _blocks(w, 256).reshape(-1, 8, 32)  # [blocks, sub-block, value]
     lo = np.minimum(b.min(axis=-1), 0.0)  # ggml keeps the offset non-positive: w = d*sc*q - dmin*m
     scale = (b.max(axis=-1) - lo) / 15.0
@@ -60,7 +60,7 @@ def quantize_q4_k(w: np.ndarray) -> np.ndarray:
 
 
 def quantize_q6_k(w: np.ndarray) -> np.ndarray:
-    rows, cols = w.shape
+    rows = w.shape[0]
     b = _blocks(w, 256).reshape(-1, 16, 16)  # [blocks, sub-block of 16, value]
     amax_i = np.abs(b).argmax(axis=-1)
     vmax = np.take_along_axis(b, amax_i[..., None], axis=-1)[..., 0]
