@@ -1,0 +1,78 @@
+"""The kernels' one thread pool: plain Python threads over row ranges (the kernels release the GIL).
+
+Why not numba's ``parallel=True``: its OpenMP/TBB workers and OpenBLAS's workers are two pools that,
+on a 2-core machine, spin against each other after every call (measured: DESIGN.md). Here the only
+parallelism is ``threads`` Python threads, each running a serial kernel (and, for tiled products, a
+single-threaded SGEMM: the process must keep BLAS at one thread, as larql-edge does with
+OPENBLAS_NUM_THREADS=1). The calling thread does one share itself, so one thread means no pool.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+_lock = threading.Lock()
+_pool: ThreadPoolExecutor | None = None
+_threads = 0
+
+
+def _default_threads() -> int:
+    env = os.environ.get("LARQL_KERNEL_THREADS", "").strip()
+    if env:
+        try:
+            n = int(env)
+        except ValueError:
+            raise ValueError(f"LARQL_KERNEL_THREADS={env!r}: expected a positive integer") from None
+        if n < 1:
+            raise ValueError(f"LARQL_KERNEL_THREADS={env!r}: expected a positive integer")
+        return n
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # macOS
+        return max(1, os.cpu_count() or 1)
+
+
+def get_threads() -> int:
+    global _threads
+    if not _threads:
+        _threads = _default_threads()
+    return _threads
+
+
+def set_threads(n: int) -> None:
+    """Threads one product may use (default: LARQL_KERNEL_THREADS, else the CPUs this process may run on)."""
+    global _threads, _pool
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"kernel threads must be a positive integer, got {n!r}")
+    with _lock:
+        if _pool is not None and n != _threads:
+            _pool.shutdown(wait=True)
+            _pool = None
+        _threads = n
+
+
+def _get_pool(workers: int) -> ThreadPoolExecutor:
+    global _pool
+    with _lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="larql-kernel")
+        return _pool
+
+
+def split_rows(work, rows: int, parallel: bool) -> None:
+    """Run ``work(a, b)`` over ``[0, rows)``, split into contiguous ranges across the threads."""
+    n = get_threads() if parallel else 1
+    n = min(n, max(1, rows // 64))
+    if n == 1:
+        work(0, rows)
+        return
+    step = -(-rows // n)
+    bounds = [(i * step, min(rows, (i + 1) * step)) for i in range(n)]
+    futures = [_get_pool(n - 1).submit(work, a, b) for a, b in bounds[1:]]
+    try:
+        work(*bounds[0])
+    finally:
+        for f in futures:
+            f.result()

