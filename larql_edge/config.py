@@ -167,10 +167,10 @@ def cache_dir() -> Path:
 
 
 def backend_name() -> str:
-    """``LARQL_BACKEND``: ``numpy``, ``mlx`` or empty (choose automatically)."""
+    """``LARQL_BACKEND``: ``compact``, ``numpy``, ``mlx`` or empty (choose automatically)."""
     wanted = os.environ.get("LARQL_BACKEND", "").strip().lower()
-    if wanted not in ("", "numpy", "mlx"):
-        raise ValueError(f"LARQL_BACKEND={wanted!r}: expected numpy or mlx")
+    if wanted not in ("", "compact", "numpy", "mlx"):
+        raise ValueError(f"LARQL_BACKEND={wanted!r}: expected compact, numpy or mlx")
     return wanted
 
 

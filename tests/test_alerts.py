@@ -48,6 +48,7 @@ def _alert_names() -> list[str]:
     return [r["alert"] for g in groups for r in g["rules"] if "alert" in r]
 
 
+@pytest.mark.multiprocess
 def test_promtool_accepts_the_config_and_the_rules():
     r = _promtool("check", "config", str(CONFIG))
     assert r.returncode == 0, r.stdout + r.stderr
@@ -57,6 +58,7 @@ def test_promtool_accepts_the_config_and_the_rules():
     assert f"SUCCESS: {len(_alert_names())} rules found" in r.stdout + r.stderr
 
 
+@pytest.mark.multiprocess
 def test_alert_rule_unit_tests_pass():
     r = _promtool("test", "rules", str(RULE_TESTS))
     assert r.returncode == 0, (r.stdout + r.stderr)[-8000:]

@@ -1,4 +1,5 @@
-"""The compute-backend seam: selection rules, and the MLX path agreeing with numpy."""
+"""The compute-backend seam: selection rules; the compact (numba, weights as stored) and MLX paths
+agreeing with the reference; the compact one holding no float32 copy of an f16 or quantized weight."""
 
 from __future__ import annotations
 
@@ -12,17 +13,19 @@ from tests.tinymodel import reference_logits
 IDS = [2, 4, 5, 6, 7, 8, 9, 10]
 
 
-def test_numpy_is_the_default_off_apple_silicon(monkeypatch):
+def test_compact_is_the_default_off_apple_silicon(monkeypatch):
     import platform
 
     monkeypatch.delenv("LARQL_BACKEND", raising=False)
     if not (platform.system() == "Darwin" and platform.machine() == "arm64"):
-        assert default_backend_name() == "numpy"
+        assert default_backend_name() == "compact"
 
 
 def test_env_overrides_and_rejects_unknown(monkeypatch):
     monkeypatch.setenv("LARQL_BACKEND", "numpy")
     assert default_backend_name() == "numpy"
+    monkeypatch.setenv("LARQL_BACKEND", "compact")
+    assert default_backend_name() == "compact"
     monkeypatch.setenv("LARQL_BACKEND", "cuda")
     with pytest.raises(ValueError, match="cuda"):
         default_backend_name()
@@ -36,3 +39,38 @@ def test_mlx_backend_matches_reference(tiny_models, family):
     got = m.head.logits(m.forward(IDS))
     np.testing.assert_allclose(got, reference_logits(tiny_models[f"{family}-hf"], IDS), atol=1e-4, rtol=0)
     assert list(m.generate(IDS[:3], 4, stop_ids=[])) == list(Transformer.local(tiny_models[family]).generate(IDS[:3], 4, stop_ids=[]))
+
+
+@pytest.mark.parametrize("family", ["gemma3", "llama"])
+def test_compact_backend_matches_the_reference(tiny_models, family):
+    """f32 tiny vindexes: the compact backend multiplies f32 weights with BLAS, as numpy does."""
+    be = get_backend("compact")
+    m = Transformer.local(tiny_models[family], backend=be)
+    got = m.head.logits(m.forward(IDS))
+    np.testing.assert_allclose(got, reference_logits(tiny_models[f"{family}-hf"], IDS), atol=1e-4, rtol=0)
+
+
+def test_compact_backend_keeps_f16_and_blocks_as_stored(tmp_path):
+    """An f16 memory map and quantized blocks are multiplied in place: the backend's matrix shares the
+    bytes it was given (no float32 copy), and its products agree with the dequantized reference."""
+    from larql_edge.format.quant import QBlocks, dequantize_matrix, quantize_matrix
+
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((48, 256)).astype(np.float32)
+    x = rng.standard_normal((3, 256)).astype(np.float32)
+    f16 = np.memmap(tmp_path / "w.f16", dtype=np.float16, mode="w+", shape=w.shape)
+    f16[:] = w
+    f16.flush()
+    ro = np.memmap(tmp_path / "w.f16", dtype=np.float16, mode="r", shape=w.shape)
+    be = get_backend("compact")
+    m = be.prepare(ro)
+    assert m.fmt == "f16" and np.shares_memory(m.data, ro)
+    np.testing.assert_allclose(be.linear(x, m), x @ ro.astype(np.float32).T, rtol=1e-5, atol=1e-4)
+    for fmt in ("Q4_K", "Q6_K", "Q8_0"):
+        q = quantize_matrix(w, fmt)
+        cm = be.prepare(q)
+        if fmt != "Q6_K" or cm.fmt == "larql_q6_k":  # LARQL's Q6_K layout: read in place once the kernels have it
+            assert np.shares_memory(cm.data, q.data), fmt
+        assert cm.fmt != "f32", fmt
+        np.testing.assert_allclose(be.linear(x, cm), x @ dequantize_matrix(q).T, rtol=1e-4, atol=1e-3, err_msg=fmt)
+    assert isinstance(q, QBlocks)

@@ -79,5 +79,5 @@ def test_f16_table_is_served_from_the_map(server):
     s = server.get("/v1/gemma/stats").json()
     assert s["embeddings"]["dtype"] == "f16" and s["embeddings"]["storage"] == "mmap"
     assert s["lm_head_tied"] is True and s["vocab_size"] == 262_144
-    # the f32 compute copy of the lm_head lives in a shared file, not in the worker's heap
-    assert s["lm_head"]["compute_copy"] == "mmap (shared f32 copy)"
+    # the f16 lm_head is multiplied in place, straight from the vindex's map: no copy at all
+    assert s["lm_head"]["format"] == "f16" and s["lm_head"]["storage"] == "mmap (vindex)"

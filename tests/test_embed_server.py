@@ -296,7 +296,7 @@ def test_stats(srv, ref):
         assert k in s, k
     assert s["model_id"] == "gemma" and s["mode"] == "embed-service" and s["lm_head_tied"] is True
     assert s["loaded"] == {"embeddings": True, "lm_head": True, "tokenizer": True}
-    assert s["embeddings"]["dtype"] == "f16" and s["lm_head"]["compute_copy"] == "mmap (shared f32 copy)"
+    assert s["embeddings"]["dtype"] == "f16" and s["lm_head"]["format"] == "f16" and s["lm_head"]["storage"] == "mmap (vindex)"
     assert s["limits"] == {
         "max_tokens_per_request": 16, "max_body_bytes": 4096, "max_top_k": 20,
         "max_text_chars": 100_000, "batch_wait_ms": 20.0, "max_batch": 64,
@@ -304,7 +304,7 @@ def test_stats(srv, ref):
     assert {"capacity", "size", "hits", "misses", "hit_rate"} <= set(s["hot_cache"]) and s["hot_cache"]["capacity"] == 8
     ls = srv.client.get("/v1/llama/stats").json()
     assert ls["lm_head_tied"] is False and ls["embeddings"]["dtype"] == "f32"
-    assert ls["lm_head"]["compute_copy"] == "mmap (f32 source)"
+    assert ls["lm_head"]["format"] == "f32" and ls["lm_head"]["storage"] == "mmap (vindex)"
     assert srv.client.get("/v1/stats", headers={"x-model-id": "llama"}).json()["model_id"] == "llama"
     assert srv.client.get("/v1/health").json() == {"status": "ok"}
 

@@ -81,6 +81,7 @@ def test_durations_parse():
             loadrun.parse_duration(bad)
 
 
+@pytest.mark.multiprocess
 def test_serve_scenario_without_a_server_is_a_setup_error(tmp_path):
     if loadrun.serve_cli():
         pytest.skip("larql-serve is installed: the scenario would start it")

@@ -629,7 +629,7 @@ def test_bad_lookups_and_weight_manifest(q4k_copy):
     with pytest.raises(VindexError, match="entry 0 is not"):
         Q4kWeights(q4k_copy).vector("norm.weight")
     index = json.loads((q4k_copy / "index.json").read_text())
-    with pytest.raises(VindexError, match="not a q4k vindex"):
+    with pytest.raises(VindexError, match="not a quantized vindex"):
         Q4kWeights(q4k_copy, index | {"quant": "none"})
     with pytest.raises(VindexError, match="hidden_size"):
         Q4kWeights(q4k_copy, index | {"hidden_size": 0})

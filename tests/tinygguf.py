@@ -39,8 +39,11 @@ def permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def hf_to_gguf(folder: Path, out: Path, arch: str | None = None, bad_tensor: str | None = None) -> Path:
-    """Convert; ``arch`` overrides general.architecture, ``bad_tensor`` names a tensor written as TQ1_0."""
+def hf_to_gguf(folder: Path, out: Path, arch: str | None = None, bad_tensor: str | None = None,
+               qtypes: dict[str, str] | None = None) -> Path:
+    """Convert; ``arch`` overrides general.architecture, ``bad_tensor`` names a tensor written as TQ1_0,
+    ``qtypes`` maps GGUF tensor kinds (``attn_q``, ``ffn_down``, ``token_embd``, ...) to a block type
+    gguf-py can quantize to (Q8_0, Q5_0, Q4_1, ...; the tiny model's widths are multiples of 32)."""
     cfg = json.loads((folder / "config.json").read_text())
     fam = "gemma3" if cfg["model_type"] == "gemma3_text" else "llama"
     arch = arch or fam
@@ -90,6 +93,11 @@ def hf_to_gguf(folder: Path, out: Path, arch: str | None = None, bad_tensor: str
             # TQ1_0 is a real GGML type we do not dequantize: 54 bytes per 256 values.
             raw = np.zeros((arr.shape[0], (arr.shape[1] // 256 + 1) * 54), dtype=np.uint8)
             w.add_tensor(gname, raw, raw_dtype=gguf.GGMLQuantizationType.TQ1_0)
+            continue
+        kind = gname.split(".")[-2] if gname.startswith("blk.") else gname.removesuffix(".weight")
+        if qtypes and kind in qtypes:
+            qt = gguf.GGMLQuantizationType[qtypes[kind]]
+            w.add_tensor(gname, gguf.quants.quantize(arr, qt), raw_dtype=qt)
             continue
         w.add_tensor(gname, arr)
     w.write_header_to_file()

@@ -17,7 +17,7 @@ from larql_edge.errors import VindexError
 FORMAT_VERSION = 2
 EXTRACT_LEVELS = ("browse", "attention", "inference", "all")
 DTYPES = ("f16", "f32")
-QUANTS = ("none", "q4k")
+QUANTS = ("none", "q4k", "gguf")  # gguf: larql-edge's own (format/q4k.py); LARQL knows none and q4k
 
 
 def level_rank(level: str) -> int:

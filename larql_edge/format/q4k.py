@@ -22,6 +22,13 @@ lm_head}.rs``, ``weights/manifest.rs``, ``filenames.rs``; LARQL commit c880fb7):
 - ``index.json`` gets ``has_model_weights: true``, ``quant: "q4k"`` and ``model_config``; the CLI
   forces ``dtype: "f16"`` for the float side files (``gate_vectors.bin``, ``embeddings.bin``).
 
+**``quant: gguf``** is larql-edge's own variant of this layout (LARQL refuses it at ``index.json``): the
+same files, manifests and positions, but every tensor keeps the block type its GGUF file gave it
+(`quant.GGUF_FORMATS`: Q4_K, Q6_K in LARQL's layout, Q8_0, Q5_0, Q4_1), rows padded to whole blocks of
+that type, so compute runs on exactly the GGUF's weights. An untied lm_head goes to ``lm_head_gguf.bin``
+(``kind: "tensor_gguf"`` with a ``format`` field). GGUF files called "Q4_K_M" hold mostly other types
+(Gemma 3 270M: Q5_0/Q8_0 for q, k, v, gate, up; SmolLM2: Q4_1), which LARQL's slots must requantize.
+
 All JSON is ``serde_json::to_string_pretty`` (2-space indent, no trailing newline), which
 ``json.dumps(indent=2)`` reproduces byte for byte.
 """
@@ -39,11 +46,13 @@ import numpy as np
 from larql_edge.errors import VindexError
 from larql_edge.format.quant import (
     BLOCK,
+    GGUF_FALLBACK,
+    GGUF_FORMATS,
     VINDEX_FORMATS,
     QBlocks,
     QuantError,
     dequantize_matrix,
-    padded,
+    padded_for,
     quantize_matrix,
     row_bytes,
 )
@@ -53,6 +62,8 @@ ATTN_Q4K_MANIFEST = "attn_weights_q4k_manifest.json"
 FFN_Q4K = "interleaved_q4k.bin"
 FFN_Q4K_MANIFEST = "interleaved_q4k_manifest.json"
 LM_HEAD_Q4 = "lm_head_q4.bin"
+LM_HEAD_GGUF = "lm_head_gguf.bin"  # quant: gguf (larql-edge's own)
+QUANT_MODES = ("q4k", "gguf")
 NORMS = "norms.bin"
 WEIGHT_MANIFEST = "weight_manifest.json"
 INDEX = "index.json"
@@ -127,7 +138,12 @@ def _int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
-def parse_q4k_manifest(path: Path, file_size: int) -> list[Q4kEntry]:
+def manifest_formats(quant: str) -> tuple[str, ...]:
+    """The block formats a manifest of a ``quant`` vindex may name."""
+    return GGUF_FORMATS if quant == "gguf" else VINDEX_FORMATS
+
+
+def parse_q4k_manifest(path: Path, file_size: int, formats: tuple[str, ...] = VINDEX_FORMATS) -> list[Q4kEntry]:
     """Read and validate a ``*_q4k_manifest.json`` against the size of the .bin it describes."""
     where = str(path)
     try:
@@ -147,8 +163,8 @@ def parse_q4k_manifest(path: Path, file_size: int) -> list[Q4kEntry]:
             raise VindexError(f"{tag} has no key")
         tag = f"{where}: entry {i} ({key})"
         fmt, shape = r.get("format"), r.get("shape")
-        if fmt not in VINDEX_FORMATS:
-            raise VindexError(f"{tag}: unknown format {fmt!r} (Q4_K or Q6_K)")
+        if fmt not in formats:
+            raise VindexError(f"{tag}: unknown format {fmt!r} ({' or '.join(formats)})")
         if not (isinstance(shape, list) and len(shape) == 2 and all(_int(s) and s > 0 for s in shape)):
             raise VindexError(f"{tag}: shape {shape!r} is not [rows, padded_cols]")
         off, length = r.get("offset"), r.get("length")
@@ -184,12 +200,15 @@ class Q4kWeights:
                 raise VindexError(f"{ip}: unreadable index.json ({e})") from None
         if not isinstance(index, dict):
             raise VindexError(f"{self.path / INDEX}: index.json is not a JSON object")
-        if index.get("quant") != "q4k":
-            raise VindexError(f"{self.path}: not a q4k vindex (index.json quant={index.get('quant', 'none')!r})")
+        if index.get("quant") not in QUANT_MODES:
+            raise VindexError(f"{self.path}: not a quantized vindex (index.json quant={index.get('quant', 'none')!r})")
         for k in ("num_layers", "hidden_size"):
             if not (_int(index.get(k)) and index[k] > 0):
                 raise VindexError(f"{self.path / INDEX}: {k} must be a positive integer")
         self.index = index
+        self.quant = str(index["quant"])
+        self.formats = manifest_formats(self.quant)
+        self.lm_head_file = LM_HEAD_GGUF if self.quant == "gguf" else LM_HEAD_Q4
         self.num_layers = int(index["num_layers"])
         self.hidden_size = int(index["hidden_size"])
         self._maps: dict[str, np.memmap] = {}
@@ -227,7 +246,7 @@ class Q4kWeights:
             mp = self.path / manifest
             if not mp.is_file():
                 raise VindexError(f"{self.path}: {binary} has no {manifest}")
-            got = parse_q4k_manifest(mp, size)
+            got = parse_q4k_manifest(mp, size, self.formats)
             want = per_layer * self.num_layers
             if len(got) != want:
                 raise VindexError(f"{mp}: {len(got)} entries, expected {want} ({per_layer} per layer x {self.num_layers} layers)")
@@ -246,7 +265,7 @@ class Q4kWeights:
 
     # -- tensors -------------------------------------------------------------------------------
     def _blocks(self, e: Q4kEntry, logical: int) -> QBlocks:
-        if padded(logical) != e.padded_cols:
+        if padded_for(e.format, logical) != e.padded_cols:
             raise VindexError(f"{self.path / e.file}: {e.key} has {e.padded_cols} padded columns, "
                               f"which does not fit a {logical}-column matrix")
         raw = self._map(e.file)[e.offset : e.offset + e.length]
@@ -276,7 +295,7 @@ class Q4kWeights:
         if key == "lm_head.weight":
             lm = self.lm_head()
             if lm is None:
-                raise VindexError(f"{self.path}: no {LM_HEAD_Q4} (tied model: the embeddings are the lm_head)")
+                raise VindexError(f"{self.path}: no {self.lm_head_file} (tied model: the embeddings are the lm_head)")
             return lm
         if len(parts) == 5 and parts[0] == "layers" and parts[1].isdigit() and parts[4] == "weight":
             layer, group, name = int(parts[1]), parts[2], parts[3]
@@ -284,7 +303,7 @@ class Q4kWeights:
                 return self.attn(layer)[ATTN_PROJ.index(name)]
             if group == "mlp" and name in FFN_PROJ:
                 return self.ffn(layer)[FFN_PROJ.index(name)]
-        raise VindexError(f"{self.path}: {key!r} is not a quantized tensor of a q4k vindex")
+        raise VindexError(f"{self.path}: {key!r} is not a quantized tensor of a {self.quant} vindex")
 
     def matrix(self, key: str) -> np.ndarray:
         """``tensor(key)`` dequantized to f32 ``[rows, logical_cols]`` (padding dropped)."""
@@ -316,24 +335,29 @@ class Q4kWeights:
         return self._weights
 
     def lm_head(self) -> QBlocks | None:
-        """The untied lm_head as Q4_K blocks, or None when the vindex has none (tied model)."""
+        """The untied lm_head as blocks (Q4_K in q4k; its GGUF type in gguf), or None when the vindex
+        has none (tied model)."""
         mp = self.path / WEIGHT_MANIFEST
+        file, kind = self.lm_head_file, "tensor_gguf" if self.quant == "gguf" else "tensor_q4k"
         e = self.weight_entries.get("lm_head.weight")
-        if not self.has(LM_HEAD_Q4):
-            if e is not None and e.get("kind") == "tensor_q4k":
-                raise VindexError(f"{mp} lists lm_head.weight in {LM_HEAD_Q4}, which is missing (sliced out?)")
+        if not self.has(file):
+            if e is not None and e.get("kind") == kind:
+                raise VindexError(f"{mp} lists lm_head.weight in {file}, which is missing (sliced out?)")
             return None
-        if e is None or e.get("kind") != "tensor_q4k" or e.get("file", LM_HEAD_Q4) != LM_HEAD_Q4:
-            raise VindexError(f"{mp}: {LM_HEAD_Q4} exists but has no lm_head.weight entry of kind tensor_q4k")
+        if e is None or e.get("kind") != kind or e.get("file", file) != file:
+            raise VindexError(f"{mp}: {file} exists but has no lm_head.weight entry of kind {kind}")
+        fmt = e.get("format", "Q4_K") if self.quant == "gguf" else "Q4_K"
+        if fmt not in self.formats:
+            raise VindexError(f"{mp}: lm_head.weight format {fmt!r} is not one of {', '.join(self.formats)}")
         shape = e["shape"]
-        if len(shape) != 2 or shape[0] <= 0 or shape[1] % 256:
+        if len(shape) != 2 or shape[0] <= 0 or shape[1] % BLOCK[fmt][0]:
             raise VindexError(f"{mp}: lm_head.weight shape {shape!r} is not [vocab, padded_cols]")
-        size = self._map(LM_HEAD_Q4).size
-        want = shape[0] * row_bytes("Q4_K", shape[1])
+        size = self._map(file).size
+        want = shape[0] * row_bytes(fmt, shape[1])
         if e["length"] != want or e["offset"] + e["length"] > size:
-            raise VindexError(f"{self.path / LM_HEAD_Q4}: lm_head.weight needs {want} bytes at offset "
+            raise VindexError(f"{self.path / file}: lm_head.weight needs {want} bytes at offset "
                               f"{e['offset']}, manifest says {e['length']}, file has {size}")
-        entry = Q4kEntry("lm_head.weight", "Q4_K", shape[0], shape[1], e["offset"], e["length"], LM_HEAD_Q4)
+        entry = Q4kEntry("lm_head.weight", fmt, shape[0], shape[1], e["offset"], e["length"], file)
         return self._blocks(entry, self.hidden_size)
 
     def vector(self, key: str) -> np.ndarray:
@@ -359,7 +383,7 @@ class Q4kWeights:
             out += [e.key for e in self.attn_entries()]
         if self.has_ffn:
             out += [e.key for e in self.ffn_entries()]
-        if self.has(LM_HEAD_Q4):
+        if self.has(self.lm_head_file):
             out.append("lm_head.weight")
         return out
 
@@ -382,7 +406,11 @@ class Q4kWeights:
 QUANTIZE_ROWS = 4096  # rows quantized at a time: bounds the padded f32 copy, not the output bytes
 
 
-def _check_blocks(q: QBlocks, fmt: str, what: str) -> QBlocks:
+def _check_blocks(q: QBlocks, fmt: str | None, what: str) -> QBlocks:
+    if fmt is None:  # quant: gguf keeps the tensor's own type
+        if q.format not in GGUF_FORMATS:
+            raise VindexError(f"{what}: {q.format} blocks cannot go into a gguf vindex ({', '.join(GGUF_FORMATS)})")
+        fmt = q.format
     if q.format != fmt:
         raise VindexError(f"{what}: the slot is {fmt}, given {q.format} blocks (convert with quant.transcode_gguf)")
     try:
@@ -391,16 +419,20 @@ def _check_blocks(q: QBlocks, fmt: str, what: str) -> QBlocks:
         raise VindexError(f"{what}: {e}") from None
     if q.data.dtype != np.uint8 or q.data.size != need:
         raise VindexError(f"{what}: {q.data.size} bytes is not {fmt} [{q.rows}, {q.padded_cols}]")
-    if padded(q.logical_cols) != q.padded_cols:
+    if padded_for(fmt, q.logical_cols) != q.padded_cols:
         raise VindexError(f"{what}: {q.logical_cols} columns do not pad to {q.padded_cols}")
     return q
 
 
-def _quantized_parts(w, fmt: str, what: str):
-    """(rows, logical_cols, padded_cols, iterator of uint8 row blocks) for an array or `QBlocks`."""
+def _quantized_parts(w, fmt: str | None, what: str):
+    """(format, rows, logical_cols, padded_cols, iterator of uint8 row blocks) for an array or `QBlocks`.
+
+    ``fmt=None`` (quant: gguf): blocks keep their own format; an array is quantized to `GGUF_FALLBACK`.
+    """
     if isinstance(w, QBlocks):
         q = _check_blocks(w, fmt, what)
-        return q.rows, q.logical_cols, q.padded_cols, iter([q.data])
+        return q.format, q.rows, q.logical_cols, q.padded_cols, iter([q.data])
+    fmt = fmt or GGUF_FALLBACK
     a = np.asarray(w)
     if a.ndim != 2 or a.shape[0] == 0 or a.shape[1] == 0:
         raise VindexError(f"{what}: expected a non-empty [out, in] matrix, got shape {a.shape}")
@@ -412,7 +444,7 @@ def _quantized_parts(w, fmt: str, what: str):
             except QuantError as e:
                 raise VindexError(f"{what}: {e}") from None
 
-    return a.shape[0], a.shape[1], padded(a.shape[1]), chunks()
+    return fmt, a.shape[0], a.shape[1], padded_for(fmt, a.shape[1]), chunks()
 
 
 class Q4kWriter:
@@ -424,7 +456,11 @@ class Q4kWriter:
     here as LARQL does) or `QBlocks` already in the slot's format (GGUF blocks kept as they are).
     """
 
-    def __init__(self, folder: str | os.PathLike[str], num_layers: int, hidden_size: int, down_q4k: bool = False):
+    def __init__(self, folder: str | os.PathLike[str], num_layers: int, hidden_size: int, down_q4k: bool = False,
+                 quant: str = "q4k"):
+        if quant not in QUANT_MODES:
+            raise VindexError(f"unknown quantized layout {quant!r} ({' or '.join(QUANT_MODES)})")
+        self.quant = quant
         self.folder = Path(folder)
         self.num_layers = num_layers
         self.hidden_size = hidden_size
@@ -456,8 +492,11 @@ class Q4kWriter:
         if layer >= self.num_layers:
             raise VindexError(f"{file}: layer {layer} is beyond num_layers={self.num_layers}")
 
-    def _stream(self, file: str, key: str, fmt: str, w, in_cols: int, out_rows: int | None) -> tuple[int, int, int, int]:
-        rows, cols, pcols, parts = _quantized_parts(w, fmt, key)
+    def _slot(self, fmt: str) -> str | None:
+        return None if self.quant == "gguf" else fmt
+
+    def _stream(self, file: str, key: str, fmt: str, w, in_cols: int, out_rows: int | None) -> tuple[str, int, int, int, int]:
+        fmt_, rows, cols, pcols, parts = _quantized_parts(w, self._slot(fmt), key)
         if cols != in_cols:
             raise VindexError(f"{key}: {cols} input columns, expected {in_cols}")
         if out_rows is not None and rows != out_rows:
@@ -467,11 +506,11 @@ class Q4kWriter:
             _, n = self._write(file, part)
             total += n
         self.kept += isinstance(w, QBlocks)
-        return rows, pcols, start, total
+        return fmt_, rows, pcols, start, total
 
     def _add(self, file: str, manifest: list[Q4kEntry], key: str, fmt: str, w, in_cols: int, out_rows: int | None) -> int:
-        rows, pcols, off, n = self._stream(file, key, fmt, w, in_cols, out_rows)
-        manifest.append(Q4kEntry(key, fmt, rows, pcols, off, n, file))
+        fmt_, rows, pcols, off, n = self._stream(file, key, fmt, w, in_cols, out_rows)
+        manifest.append(Q4kEntry(key, fmt_, rows, pcols, off, n, file))
         return rows
 
     def add_attn(self, layer: int, q, k, v, o) -> None:
@@ -503,13 +542,17 @@ class Q4kWriter:
                                      "length": n, "file": NORMS})
 
     def add_lm_head(self, w) -> None:
-        """The untied lm_head ``[vocab, hidden]`` as Q4_K into lm_head_q4.bin."""
+        """The untied lm_head ``[vocab, hidden]``: Q4_K into lm_head_q4.bin (q4k), or its own blocks
+        into lm_head_gguf.bin (gguf)."""
+        file = LM_HEAD_GGUF if self.quant == "gguf" else LM_HEAD_Q4
         if self._lm_head:
-            raise VindexError(f"{LM_HEAD_Q4}: lm_head given twice")
-        rows, pcols, off, n = self._stream(LM_HEAD_Q4, "lm_head.weight", "Q4_K", w, self.hidden_size, None)
+            raise VindexError(f"{file}: lm_head given twice")
+        fmt, rows, pcols, off, n = self._stream(file, "lm_head.weight", "Q4_K", w, self.hidden_size, None)
         # LARQL appends this entry after every norm entry, whenever it is given.
         self._lm_head = {"key": "lm_head.weight", "kind": "tensor_q4k", "shape": [rows, pcols],
-                         "offset": off, "length": n, "file": LM_HEAD_Q4}
+                         "offset": off, "length": n, "file": file}
+        if self.quant == "gguf":
+            self._lm_head |= {"kind": "tensor_gguf", "format": fmt}
 
     def close(self) -> None:
         for f in self._files.values():
@@ -532,4 +575,4 @@ class Q4kWriter:
         (self.folder / FFN_Q4K_MANIFEST).write_text(dump_json([e.to_json() for e in self.ffn_manifest]))
         entries = self.weight_manifest + ([self._lm_head] if self._lm_head else [])
         (self.folder / WEIGHT_MANIFEST).write_text(dump_json(entries))
-        return {"dtype": "f16", "quant": "q4k", "has_model_weights": True}
+        return {"dtype": "f16", "quant": self.quant, "has_model_weights": True}

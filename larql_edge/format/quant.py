@@ -1,4 +1,4 @@
-"""GGML block formats as LARQL's q4k vindex stores them: Q4_K, Q6_K, Q8_0.
+"""GGML block formats as quantized vindexes store them: Q4_K, Q6_K, Q8_0 (LARQL's q4k), Q5_0, Q4_1.
 
 Sizes and decode follow gguf-py / llama.cpp. Encode follows LARQL's own quantizer (read from
 ``crates/larql-compute/src/cpu/ops/q4_common.rs`` ``quantize_q4_k`` / ``quantize_q6_k`` and
@@ -40,9 +40,14 @@ QK_K = 256  # values per K-quant super-block
 QK8_0 = 32  # values per Q8_0 block
 
 # format -> (values per block, bytes per block); the GGUF sizes (gguf.GGML_QUANT_SIZES).
-BLOCK = {"Q4_K": (QK_K, 144), "Q6_K": (QK_K, 210), "Q8_0": (QK8_0, 34)}
+BLOCK = {"Q4_K": (QK_K, 144), "Q6_K": (QK_K, 210), "Q8_0": (QK8_0, 34), "Q5_0": (QK8_0, 22), "Q4_1": (QK8_0, 20)}
 # Formats a q4k vindex manifest may carry (LARQL's QuantBlockFormat: "Q4_K" | "Q6_K").
 VINDEX_FORMATS = ("Q4_K", "Q6_K")
+# Formats a ``quant: gguf`` vindex (larql-edge's own; LARQL refuses it) may carry: every GGUF block type
+# that larql-edge computes on, so each tensor keeps the block type its GGUF file gave it.
+GGUF_FORMATS = ("Q4_K", "Q6_K", "Q8_0", "Q5_0", "Q4_1")
+# What a ``quant: gguf`` extraction stores a tensor of any other GGUF type (F16, Q5_1, ...) as.
+GGUF_FALLBACK = "Q8_0"
 GGML_Q6_K = "GGML_Q6_K"  # llama.cpp's Q6_K bit layout, as found in GGUF files
 
 _F32 = np.float32
@@ -86,6 +91,11 @@ def tensor_bytes(fmt: str, rows: int, padded_cols: int) -> int:
 def padded(cols: int, multiple: int = QK_K) -> int:
     """``cols`` rounded up to a multiple of 256, as LARQL's ``pad_rows_to_block``."""
     return -(-cols // multiple) * multiple
+
+
+def padded_for(fmt: str, cols: int) -> int:
+    """``cols`` padded to whole blocks of ``fmt``: 256 for the K-quants (as LARQL pads), 32 for the rest."""
+    return padded(cols, BLOCK[_known(fmt)][0])
 
 
 def pad_rows(w: np.ndarray, multiple: int = QK_K) -> np.ndarray:
@@ -371,13 +381,18 @@ def quantize(x: np.ndarray, fmt: str) -> np.ndarray:
         return quantize_q6_k(x)
     if fmt == "Q8_0":
         return quantize_q8_0(x)
-    raise QuantError(f"cannot quantize to {fmt!r} (Q4_K, Q6_K or Q8_0)")
+    if fmt in ("Q5_0", "Q4_1"):  # never LARQL's (it has no such slot): gguf-py's reference quantizer
+        import gguf
+
+        b = _blocks_of(x, QK8_0, fmt)
+        return np.asarray(gguf.quants.quantize(b, gguf.GGMLQuantizationType[fmt]), dtype=_U8).reshape(b.shape[0], -1)
+    raise QuantError(f"cannot quantize to {fmt!r} ({', '.join(BLOCK)})")
 
 
 def dequantize(blocks: np.ndarray, fmt: str) -> np.ndarray:
     """Blocks -> flat f32 values. ``"Q6_K"`` is LARQL's layout; ``GGML_Q6_K`` llama.cpp's.
 
-    Q4_K, Q8_0 and GGML_Q6_K go through gguf-py's ``gguf.quants.dequantize``.
+    Q4_K, Q8_0, Q5_0, Q4_1 and GGML_Q6_K go through gguf-py's ``gguf.quants.dequantize``.
     """
     import gguf
 
@@ -386,18 +401,19 @@ def dequantize(blocks: np.ndarray, fmt: str) -> np.ndarray:
     if fmt == GGML_Q6_K:
         b = _as_blocks(blocks, 210)
         return np.asarray(gguf.quants.dequantize(b, gguf.GGMLQuantizationType.Q6_K), dtype=_F32).reshape(-1)
-    if fmt in ("Q4_K", "Q8_0"):
+    if fmt in ("Q4_K", "Q8_0", "Q5_0", "Q4_1"):
         b = _as_blocks(blocks, BLOCK[fmt][1])
         return np.asarray(gguf.quants.dequantize(b, gguf.GGMLQuantizationType[fmt]), dtype=_F32).reshape(-1)
     raise QuantError(f"cannot dequantize {fmt!r}")
 
 
 def quantize_matrix(w: np.ndarray, fmt: str) -> QBlocks:
-    """Pad each row of ``w`` to 256 columns with zeros and quantize it, as LARQL's q4k writer does."""
+    """Pad each row of ``w`` to whole blocks with zeros (256 columns for the K-quants, as LARQL's q4k
+    writer does) and quantize it."""
     w = np.asarray(w, dtype=_F32)
     if w.ndim != 2 or w.shape[0] == 0 or w.shape[1] == 0:
         raise QuantError(f"expected a non-empty 2-D matrix, got shape {w.shape}")
-    p = pad_rows(w)
+    p = pad_rows(w, BLOCK[_known(fmt)][0])
     blocks = quantize(p, fmt)
     return QBlocks(fmt, w.shape[0], p.shape[1], w.shape[1], blocks.reshape(w.shape[0], -1))
 
@@ -418,6 +434,8 @@ def dequantize_matrix(q: QBlocks, logical: bool = True) -> np.ndarray:
 # keeps the GGUF's Q4_K blocks where the slot is Q4_K and its Q6_K blocks (re-laid-out, losslessly)
 # where the slot is Q6_K; every other case is dequantized with gguf-py and quantized as LARQL does.
 KEEPABLE = {("Q4_K", "Q4_K"), ("Q6_K", "Q6_K")}  # (GGUF type, vindex format)
+# ``target=None`` (a ``quant: gguf`` vindex) keeps every GGUF_FORMATS tensor in its own type.
+KEEP_OWN = None
 
 
 def transcode_gguf(
@@ -425,7 +443,7 @@ def transcode_gguf(
     data: np.ndarray,
     rows: int,
     cols: int,
-    target: str,
+    target: str | None,
     row_order: np.ndarray | None = None,
     transform=None,
     chunk_rows: int = 4096,
@@ -437,11 +455,17 @@ def transcode_gguf(
     permutation: ``out[i] = in[row_order[i]]``), which is lossless on blocks since each row is whole
     blocks. ``transform`` (a row-wise f32 function, applied per chunk of rows) forces the dequantize
     path. Converted tensors go ``chunk_rows`` rows at a time, so the f32 copy stays bounded.
+    ``target=None`` keeps the tensor's own type if it is one of `GGUF_FORMATS` (else `GGUF_FALLBACK`).
     """
     import gguf
 
-    if target not in VINDEX_FORMATS:
+    if target is None:
+        target = qtype if qtype in GGUF_FORMATS else GGUF_FALLBACK
+        keep = qtype in GGUF_FORMATS
+    elif target not in VINDEX_FORMATS:
         raise QuantError(f"vindex blocks are Q4_K or Q6_K, not {target!r}")
+    else:
+        keep = (qtype, target) in KEEPABLE
     if rows <= 0 or cols <= 0:
         raise QuantError(f"bad tensor shape [{rows}, {cols}]")
     raw = np.ascontiguousarray(data).view(_U8).reshape(-1)
@@ -451,7 +475,7 @@ def transcode_gguf(
     order = None if row_order is None else np.asarray(row_order)
     if order is not None and sorted(order.tolist()) != list(range(rows)):
         raise QuantError(f"row_order is not a permutation of {rows} rows")
-    if (qtype, target) in KEEPABLE and transform is None:
+    if keep and transform is None:
         rb = row_bytes(qtype, cols)
         if src.shape[1] != rb:
             raise QuantError(f"{qtype} tensor [{rows}, {cols}] needs {rows * rb} bytes, has {raw.size}")
@@ -463,7 +487,7 @@ def transcode_gguf(
         t = gguf.GGMLQuantizationType[qtype]
     except KeyError:
         raise QuantError(f"unknown GGUF tensor type {qtype!r}") from None
-    out = np.empty((rows, row_bytes(target, padded(cols))), dtype=_U8)
+    out = np.empty((rows, row_bytes(target, padded_for(target, cols))), dtype=_U8)
     for r0 in range(0, rows, max(1, chunk_rows)):
         r1 = min(rows, r0 + chunk_rows)
         part = src[r0:r1] if order is None else src[order[r0:r1]]
@@ -474,4 +498,4 @@ def transcode_gguf(
         if transform is not None:
             w = np.asarray(transform(w), dtype=_F32)
         out[r0:r1] = quantize_matrix(w, target).data
-    return QBlocks(target, rows, padded(cols), cols, out), False
+    return QBlocks(target, rows, padded_for(target, cols), cols, out), False

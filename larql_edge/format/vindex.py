@@ -33,7 +33,7 @@ from larql_edge.errors import ChecksumMismatch, OutputExists, VindexError
 
 from .index import DTYPES as DTYPE_NAMES
 from .index import EXTRACT_LEVELS, FORMAT_VERSION, LayerInfo, ModelConfig, VindexIndex, level_rank
-from .q4k import LM_HEAD_Q4, Q4kWeights
+from .q4k import QUANT_MODES, Q4kWeights
 from .quant import QBlocks, dequantize_matrix
 
 __all__ = [
@@ -55,7 +55,7 @@ TOKENIZER = "tokenizer.json"
 LM_HEAD_KEY = "lm_head.weight"
 
 DTYPES = {name: np.dtype("<f2" if name == "f16" else "<f4") for name in DTYPE_NAMES}
-MANIFEST_KINDS = ("vector", "tensor", "tensor_f16", "tensor_q4k", "packed_bf16")
+MANIFEST_KINDS = ("vector", "tensor", "tensor_f16", "tensor_q4k", "packed_bf16", "tensor_gguf")  # the last: larql-edge's gguf
 
 
 def sha256_file(path: Path, chunk: int = 8 << 20) -> str:
@@ -154,13 +154,14 @@ class Vindex:
 
     @property
     def quantized(self) -> bool:
-        """A ``quant: q4k`` vindex: attention, FFN and an untied lm_head are Q4_K/Q6_K blocks."""
-        return self.index.quant == "q4k"
+        """A ``quant: q4k`` (or larql-edge's ``gguf``) vindex: attention, FFN and an untied lm_head are
+        blocks (Q4_K/Q6_K; in gguf each tensor's own GGUF type)."""
+        return self.index.quant in QUANT_MODES
 
     @property
     def q4k(self) -> Q4kWeights:
         if not self.quantized:
-            raise VindexError(f"{self.path}: not a q4k vindex (index.json quant={self.index.quant!r})")
+            raise VindexError(f"{self.path}: not a quantized vindex (index.json quant={self.index.quant!r})")
         if self._q4k is None:
             self._q4k = Q4kWeights(self.path, self.index.to_json())
         return self._q4k
@@ -260,9 +261,9 @@ class Vindex:
         e = self._entry(key)
         if e.kind == "tensor_f16":
             dt = DTYPES["f16"]
-        elif e.kind in ("tensor_q4k", "packed_bf16"):
+        elif e.kind in ("tensor_q4k", "packed_bf16", "tensor_gguf"):
             raise VindexError(f"{self.path}: tensor {key!r} is {e.kind}, not a float tensor")
-        elif self.index.quant == "q4k" and e.file == NORMS:
+        elif self.quantized and e.file == NORMS:
             dt = DTYPES["f32"]
         else:
             dt = DTYPES[self.dtype]
@@ -287,13 +288,13 @@ class Vindex:
     def weight(self, key: str) -> np.ndarray | QBlocks:
         """A weight matrix as the vindex stores it: a float memory map, or, in a q4k vindex, the
         projection's (or the untied lm_head's) blocks, zero-copy. What the roles load."""
-        if self.quantized and (key != LM_HEAD_KEY or self.has(LM_HEAD_Q4)):
+        if self.quantized and (key != LM_HEAD_KEY or self.has(self.q4k.lm_head_file)):
             if key.startswith("layers.") or key == LM_HEAD_KEY:
                 return self.q4k.tensor(key)
         return self.tensor(key)
 
     def has_weight(self, key: str) -> bool:
-        if self.quantized and key == LM_HEAD_KEY and self.has(LM_HEAD_Q4):
+        if self.quantized and key == LM_HEAD_KEY and self.has(self.q4k.lm_head_file):
             return True
         if self.quantized and key.startswith("layers.") and key.endswith("_proj.weight"):
             return True

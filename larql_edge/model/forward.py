@@ -17,12 +17,14 @@ from typing import Protocol
 
 import numpy as np
 
+from larql_edge.config import cache_dir
 from larql_edge.errors import VindexError
 from larql_edge.format.vindex import Vindex
 from larql_edge.model import ops
 from larql_edge.model.backend import Backend, get_backend
+from larql_edge.model.lm_head import compute_copy, head_format
 from larql_edge.model.spec import ModelSpec
-from larql_edge.model.weights import AttentionLayer, FfnLayer, final_norm, lm_head_matrix, load_attention_layer, load_ffn_layer
+from larql_edge.model.weights import AttentionLayer, FfnLayer, final_norm, load_attention_layer, load_ffn_layer
 
 
 class EmbedProvider(Protocol):
@@ -72,13 +74,15 @@ class LocalFfn:
 
 
 class LocalHead:
-    """Final norm, lm_head and final softcap. Keeps an f32 compute copy of the lm_head."""
+    """Final norm, lm_head and final softcap; the lm_head in the backend's form (`model.lm_head`:
+    as stored, a quantized vindex's tied head as Q8_0, or a shared f32 copy for the reference)."""
 
     def __init__(self, vx: Vindex, spec: ModelSpec, backend: Backend | None = None):
         self.backend = backend or get_backend()
         self.spec = spec
         self.norm = final_norm(vx)
-        self.lm_head = self.backend.prepare(lm_head_matrix(vx))
+        self.copy = compute_copy(vx, cache_dir() / "lm-head", head_format(vx, "auto", self.backend))
+        self.lm_head = self.backend.prepare(self.copy.matrix)
 
     def logits(self, h: np.ndarray) -> np.ndarray:
         s = self.spec

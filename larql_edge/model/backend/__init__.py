@@ -1,8 +1,12 @@
 """Compute backends behind one small seam.
 
-numpy (BLAS) is the default everywhere. On Apple Silicon run natively, MLX (Metal) is chosen
-automatically; ``LARQL_BACKEND=numpy|mlx`` overrides (MLX also runs on Linux CPUs as ``mlx[cpu]``,
-which is how its code path is tested off a Mac). Every tier calls the same model math through
+- ``compact`` (the default): products on the weights as the vindex stores them (quantized blocks,
+  f16 tables) through numba kernels, no float32 copy of a table (DESIGN.md, "Kernels").
+- ``numpy``: everything dequantized to float32 and multiplied by BLAS: the exact reference.
+- ``mlx``: Metal, chosen automatically on Apple Silicon run natively (also runs on Linux CPUs as
+  ``mlx[cpu]``, which is how its code path is tested off a Mac).
+
+``LARQL_BACKEND=compact|numpy|mlx`` overrides. Every tier calls the same model math through
 ``get_backend()``, so a role never branches on the backend itself.
 """
 
@@ -31,7 +35,7 @@ def default_backend_name() -> str:
     if wanted:
         return wanted
     native_apple = platform.system() == "Darwin" and platform.machine() == "arm64"
-    return "mlx" if native_apple and _mlx_available() else "numpy"
+    return "mlx" if native_apple and _mlx_available() else "compact"
 
 
 @lru_cache(maxsize=None)
@@ -45,4 +49,8 @@ def get_backend(name: str | None = None) -> Backend:
         from larql_edge.model.backend._mlx import MlxBackend
 
         return MlxBackend()
+    if name == "compact":
+        from larql_edge.model.backend._compact import CompactBackend
+
+        return CompactBackend()
     raise ValueError(f"unknown backend {name!r}")

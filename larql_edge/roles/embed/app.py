@@ -136,7 +136,7 @@ async def _load_models(app: Sanic, cfg: EmbedConfig, registry: ModelRegistry, em
     def work() -> None:
         ok = False
         try:
-            ok = registry.load_all(cfg.hot_cache, cache)
+            ok = registry.load_all(cfg.hot_cache, cache, cfg.lm_head_format)
         finally:
             loop.call_soon_threadsafe(done.set_result, ok)
 

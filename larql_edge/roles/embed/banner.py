@@ -28,7 +28,8 @@ def model_lines(m: ServedModel) -> list[str]:
         f"  Embeddings: {_gb(m.embed_nbytes)}  ({store.storage_dtype}, mmap; hot cache {store.cache.capacity:,} rows)",
     ]
     tied = "tied" if m.tied else "untied, lm_head.bin"
-    lines.append(f"  lm_head:    {_gb(head.copy.nbytes)}  ({tied}; f32 compute copy: {head.copy.storage})")
+    lines.append(f"  lm_head:    {_gb(head.copy.nbytes)}  ({tied}; computed as {head.copy.format}, "
+                 f"{head.copy.storage}; {head.backend.name} backend)")
     lines.append(f"  Tokenizer:  {'loaded' if m.loaded['tokenizer'] else 'missing'}")
     return lines
 

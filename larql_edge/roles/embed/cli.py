@@ -18,6 +18,7 @@ from pathlib import Path
 
 from larql_edge.config import Flags, cache_dir, export_blas_threads, positional_list_from_env
 from larql_edge.errors import LarqlError
+from larql_edge.model.lm_head import HEAD_FORMATS
 from larql_edge.roles.embed.config import EmbedConfig, Limits, ModelSource, check_model_id, model_id_for
 from larql_edge.service import add_server_flags, serve, setup_logging
 from larql_edge.service.membership import add_membership_flags, membership_settings
@@ -45,7 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
     f.add("--max-top-k", type=int, default=d.max_top_k, help="largest top_k of /v1/logits")
     f.add("--max-text-chars", type=int, default=d.max_text_chars, help="longest text to encode, in characters")
     f.add("--lm-head-cache", default=str(cache_dir() / "lm-head"),
-          help="folder of the shared f32 lm_head compute copies ('' keeps the copy in process memory)")
+          help="folder of the shared lm_head compute copies ('' keeps a copy in process memory)")
+    f.choice("--lm-head-format", choices=HEAD_FORMATS, default="auto",
+             help="form the lm_head is multiplied in: auto = as stored (a quantized vindex's tied head as Q8_0), "
+                  "or a q8_0 / f16 / f32 copy")
     add_membership_flags(f)  # --join, --grid-key (secret), --public-url: register as capability "embed"
     return p
 
@@ -88,6 +92,7 @@ def config_from_args(args: argparse.Namespace, sources: list[ModelSource]) -> Em
         hot_cache=max(0, args.hot_cache),
         blas_threads=max(1, args.blas_threads),
         lm_head_cache=args.lm_head_cache or None,
+        lm_head_format=args.lm_head_format,
         embed_only=args.embed_only,
         access_log=args.access_log,
         limits=Limits(

@@ -49,7 +49,8 @@ class EmbedConfig:
     workers: int = 1
     hot_cache: int = 5000
     blas_threads: int = 1
-    lm_head_cache: str | None = None  # None: keep the f32 lm_head copy in process memory
+    lm_head_cache: str | None = None  # None: keep an lm_head copy in process memory
+    lm_head_format: str = "auto"  # larql_edge.model.lm_head.HEAD_FORMATS
     embed_only: bool = False
     access_log: bool = False
     limits: Limits = field(default_factory=Limits)

@@ -1,15 +1,7 @@
 """The logits head of the embed server: final norm, lm_head, final softcap, then top-k or raw logits.
 
-The lm_head is a ``[vocab, hidden]`` matrix product per request, the one real computation of the
-embed server. numpy's float16 product is ~30x slower than float32 BLAS (DESIGN.md §7), so the head
-multiplies by a float32 **compute copy** (4 bytes x vocab x hidden: 671 MB for Gemma 3 270M):
-
-- an f32 lm_head (f32 vindex, or an f32 ``lm_head.bin``) is used straight from its memory map: no copy;
-- an f16 one is converted once into ``<lm-head-cache>/<sha256 of the source file>.f32`` and that file
-  is memory-mapped. The page cache then holds one copy for every worker and every server process
-  on the machine, and a restart maps the finished file instead of converting again;
-- with no usable cache folder (``--lm-head-cache ''``, read-only disk, no recorded checksum), the
-  copy is built in this process's memory.
+The lm_head's form (Q8_0, f16, f32; mapped from the vindex or a shared converted copy) is chosen by
+`larql_edge.model.lm_head` (``--lm-head-format``).
 
 Post-processing never sorts the vocabulary: the top k of a row are found among the k blocks with the
 largest maxima (a row split into blocks of 512; the top k values all lie in those blocks).
@@ -17,113 +9,37 @@ largest maxima (a row split into blocks of 512; the top k values all lie in thos
 
 from __future__ import annotations
 
-import fcntl
-import logging
-import os
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from larql_edge.format.quant import QBlocks, dequantize_matrix
-from larql_edge.format.vindex import EMBEDDINGS, LM_HEAD_KEY, Vindex
+from larql_edge.format.vindex import Vindex
 from larql_edge.model import ops
 from larql_edge.model.backend import Backend, get_backend
+from larql_edge.model.lm_head import compute_copy, head_format
 from larql_edge.model.spec import ModelSpec
-from larql_edge.model.weights import final_norm, lm_head_matrix
-
-log = logging.getLogger("larql.embed")
+from larql_edge.model.weights import final_norm
 
 _BLOCK = 512
-_CONVERT_ROWS = 16384  # rows converted per step: bounds the temporary f32 memory to ~40 MB
-
-
-@dataclass
-class ComputeCopy:
-    matrix: np.ndarray  # f32 [vocab, hidden]
-    storage: str  # "mmap (f32 source)" | "mmap (shared f32 copy)" | "memory (f32 copy)"
-    path: str | None
-    nbytes: int
-
-
-def _lm_head_key(vx: Vindex) -> tuple[str | None, str]:
-    """The manifest key of the lm_head (None: the embedding table, when tied) and its file."""
-    if vx.has_tensor(LM_HEAD_KEY):
-        return LM_HEAD_KEY, vx.manifest[LM_HEAD_KEY].file
-    return None, EMBEDDINGS
-
-
-def _f32_blocks(vx: Vindex, key: str | None, rows: int):
-    """The lm_head as f32 blocks read with ``pread`` (`Vindex.read_rows`): converting through the
-    memory map would leave the whole f16 table resident in this process."""
-    for i in range(0, rows, _CONVERT_ROWS):
-        n = min(_CONVERT_ROWS, rows - i)
-        yield i, vx.read_rows(key, i, n).astype(np.float32)
-
-
-def compute_copy(vx: Vindex, cache_dir: Path | None) -> ComputeCopy:
-    """The f32 lm_head the head multiplies by (see the module docstring for where it lives)."""
-    src = lm_head_matrix(vx)
-    if isinstance(src, QBlocks):  # a q4k vindex's untied lm_head: the reference path dequantizes it
-        mat = dequantize_matrix(src)
-        return ComputeCopy(mat, "memory (f32 from Q4_K)", None, mat.nbytes)
-    rows, cols = src.shape
-    nbytes = rows * cols * 4
-    if src.dtype == np.float32:
-        return ComputeCopy(src, "mmap (f32 source)", None, nbytes)
-    key, file = _lm_head_key(vx)
-    sha = vx.checksums.get(file)
-    if cache_dir is not None and sha:
-        try:
-            out = _shared_copy(vx, key, rows, cols, Path(cache_dir), sha)
-            m = np.memmap(out, dtype="<f4", mode="r", shape=(rows, cols))
-            return ComputeCopy(m, "mmap (shared f32 copy)", str(out), nbytes)
-        except OSError as e:
-            log.warning("lm_head cache %s unusable (%s); keeping the f32 copy in memory", cache_dir, e)
-    mat = np.empty((rows, cols), dtype=np.float32)
-    for i, block in _f32_blocks(vx, key, rows):
-        mat[i : i + len(block)] = block
-    return ComputeCopy(mat, "memory (f32 copy)", None, nbytes)
-
-
-def _shared_copy(vx: Vindex, key: str | None, rows: int, cols: int, folder: Path, sha: str) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"{sha}-{rows}x{cols}.f32"
-    want = rows * cols * 4
-    if path.is_file() and path.stat().st_size == want:
-        return path
-    # Workers of one server (and other servers) may start together: one converts, the rest wait.
-    with open(folder / f".{path.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if path.is_file() and path.stat().st_size == want:
-            return path
-        tmp = folder / f".{path.name}.{os.getpid()}.tmp"
-        try:
-            with open(tmp, "wb") as f:
-                for _, block in _f32_blocks(vx, key, rows):
-                    f.write(block.astype("<f4", copy=False).tobytes())
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
-    return path
 
 
 class LogitsHead:
     """``softcap(lm_head @ final_norm(x))`` for a batch of pre-final-norm residuals."""
 
-    def __init__(self, vx: Vindex, spec: ModelSpec, cache_dir: Path | None, backend: Backend | None = None):
+    def __init__(self, vx: Vindex, spec: ModelSpec, cache_dir: Path | None, backend: Backend | None = None,
+                 lm_head_format: str = "auto"):
         self.backend = backend or get_backend()
         self.spec = spec
         self.norm = final_norm(vx)
         if self.norm.shape != (spec.hidden_size,):
             raise ValueError(f"final norm has shape {self.norm.shape}, expected ({spec.hidden_size},)")
-        self.copy = compute_copy(vx, cache_dir)
+        self.copy = compute_copy(vx, cache_dir, head_format(vx, lm_head_format, self.backend))
         self.weight = self.backend.prepare(self.copy.matrix)
-        self.vocab, self.hidden = self.copy.matrix.shape
+        self.vocab, self.hidden = self.copy.shape
         self.tied = vx.tied
 
     def warm_up(self) -> None:
-        """Fault the whole matrix into memory and let BLAS set up, so the first request is not slow."""
+        """Fault the whole matrix into memory and let the kernels compile, so the first request is not slow."""
         self.logits(np.zeros((1, self.hidden), dtype=np.float32))
 
     def logits(self, x: np.ndarray) -> np.ndarray:

@@ -130,7 +130,7 @@ class ServedModel:
         return (self.path / EMBEDDINGS).stat().st_size
 
     # -- loading -------------------------------------------------------------------------------
-    def load(self, hot_cache: int, lm_head_cache: Path | None) -> None:
+    def load(self, hot_cache: int, lm_head_cache: Path | None, lm_head_format: str = "auto") -> None:
         t = time.perf_counter()
         table = self.vindex.embeddings()
         self._store = EmbeddingStore(table, self.spec.embed_scale, hot_cache)
@@ -144,7 +144,7 @@ class ServedModel:
         self.load_seconds["tokenizer"] = time.perf_counter() - t
 
         t = time.perf_counter()
-        head = LogitsHead(self.vindex, self.spec, lm_head_cache)
+        head = LogitsHead(self.vindex, self.spec, lm_head_cache, lm_head_format=lm_head_format)
         head.warm_up()
         self._head = head
         self.load_seconds["lm_head"] = time.perf_counter() - t
@@ -174,7 +174,8 @@ class ServedModel:
             },
             "lm_head_tied": self.tied,
             "lm_head": (
-                {"compute_copy": head.copy.storage, "bytes": head.copy.nbytes, "path": head.copy.path}
+                {"format": head.copy.format, "storage": head.copy.storage, "bytes": head.copy.nbytes,
+                 "path": head.copy.path, "backend": head.backend.name}
                 if head is not None
                 else None
             ),

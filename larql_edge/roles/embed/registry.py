@@ -36,14 +36,14 @@ class ModelRegistry:
     def multi(self) -> bool:
         return len(self.models) > 1
 
-    def load_all(self, hot_cache: int, lm_head_cache: Path | None) -> bool:
+    def load_all(self, hot_cache: int, lm_head_cache: Path | None, lm_head_format: str = "auto") -> bool:
         """Load every model (runs in a thread after the server listens); records the first failure.
 
         The caller sets `ready` once it has wired the loaded models up (batchers, metrics).
         """
         try:
             for m in self.models.values():
-                m.load(hot_cache, lm_head_cache)
+                m.load(hot_cache, lm_head_cache, lm_head_format)
         except Exception as e:  # a broken vindex must not kill the server silently: /v1/ready says why
             log.exception("loading failed")
             self.error = f"{type(e).__name__}: {e}"

@@ -3,7 +3,7 @@ from __future__ import annotations
 import argparse
 
 from larql_edge.config import Flags
-from larql_edge.format.index import EXTRACT_LEVELS
+from larql_edge.format.index import EXTRACT_LEVELS, QUANTS
 from larql_edge.format.vindex import DTYPES
 from larql_edge.tools.slicer.extract import PACKAGED, extract
 
@@ -21,8 +21,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     f.choice("--level", choices=EXTRACT_LEVELS, default="all", help="browse < attention < inference < all")
     f.choice("--dtype", choices=sorted(DTYPES), default="f16",
              help="storage dtype of the weight files (f32 is bit-exact to the dequantized source)")
-    f.choice("--quant", choices=("none", "q4k"), default="none",
-             help="q4k: LARQL's quantized layout (Q4_K/Q6_K blocks; a GGUF's own blocks kept as they are)")
+    f.choice("--quant", choices=QUANTS, default="none",
+             help="q4k: LARQL's quantized layout (Q4_K/Q6_K blocks; a GGUF's own Q4_K/Q6_K kept, other types "
+                  "requantized as LARQL does); gguf: larql-edge's own variant keeping every GGUF tensor in its "
+                  "block type (no requantization; LARQL cannot load it)")
     f.switch("--force", help="replace OUT if it is a vindex folder")
     f.switch("--quiet", help="no progress bars")
     p.set_defaults(func=run)

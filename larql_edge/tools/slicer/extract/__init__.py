@@ -11,7 +11,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from larql_edge.errors import SourceError
-from larql_edge.format.index import ModelConfig, VindexIndex, level_rank
+from larql_edge.format.index import QUANTS, ModelConfig, VindexIndex, level_rank
 from larql_edge.format.q4k import ATTN_FORMATS, ATTN_PROJ, FFN_PROJ, NORM_SUFFIXES, Q4kWriter, ffn_formats
 from larql_edge.format.vindex import ATTN, DOWN, LM_HEAD, NORMS, TOKENIZER, UP, VindexWriter, staged_output
 from larql_edge.tools.slicer.extract._source import PACKAGED, ModelSource, open_source, resolve
@@ -40,17 +40,21 @@ def extract(
     """Extract ``source`` into the vindex folder ``out``; returns the written index.
 
     ``quant="q4k"`` writes LARQL's quantized layout (attention and FFN as Q4_K/Q6_K blocks, an untied
-    lm_head as Q4_K, norms f32, embeddings f16): a GGUF's own Q4_K/Q6_K tensors are kept as they are.
+    lm_head as Q4_K, norms f32, embeddings f16): a GGUF's own Q4_K/Q6_K tensors are kept as they are,
+    others are requantized as LARQL does. ``quant="gguf"`` (larql-edge's own, LARQL refuses it) is the
+    same layout with every tensor in its GGUF block type: no requantization at all.
     """
     rank = level_rank(level)
-    if quant not in ("none", "q4k"):
-        raise SourceError(f"unknown quant {quant!r} (none or q4k)")
-    if quant == "q4k":
+    if quant not in QUANTS:
+        raise SourceError(f"unknown quant {quant!r} ({', '.join(QUANTS)})")
+    if quant != "none":
         if rank < level_rank("inference"):
-            raise SourceError("--quant q4k holds attention and FFN weights: use --level inference or all")
+            raise SourceError(f"--quant {quant} holds attention and FFN weights: use --level inference or all")
         dtype = "f16"  # LARQL's q4k writer keeps the float side files (embeddings, gate vectors) f16
     t0 = time.perf_counter()
     src = open_source(source)
+    if quant == "gguf" and src.blocks is None:
+        raise SourceError(f"--quant gguf keeps a GGUF file's own blocks; {source} is not a GGUF source (use --quant q4k)")
     log(f"Extracting {src.name} ({src.family.name}, {src.info.get('type')}) -> {out} "
         f"[level={level}, dtype={dtype}, quant={quant}]")
     with staged_output(out, force=force) as tmp:
@@ -70,8 +74,8 @@ def extract(
             for i in range(n_layers):
                 w.add_gate(i, _need(src, f"layers.{i}.mlp.gate_proj.weight"))
                 bar.update()
-        if quant == "q4k":
-            fields = _write_q4k(tmp, src, n_layers, stage)
+        if quant != "none":
+            fields = _write_q4k(tmp, src, n_layers, stage, quant)
         else:
             fields = {}
             _write_float_weights(w, src, n_layers, rank, stage)
@@ -139,16 +143,19 @@ def _layer_norm_keys(fam, i: int) -> list[str]:
                         fam.post_ffn_norm_key(i)) if k is not None]
 
 
-def _write_q4k(folder: Path, src: ModelSource, n_layers: int, stage) -> dict:
+def _write_q4k(folder: Path, src: ModelSource, n_layers: int, stage, quant: str) -> dict:
     """LARQL's q4k files (`larql_edge.format.q4k`): per layer attention (Q4_K; V Q6_K) and FFN (gate,
-    up Q4_K; down Q6_K), norms f32 in LARQL's order, an untied lm_head Q4_K."""
+    up Q4_K; down Q6_K), norms f32 in LARQL's order, an untied lm_head Q4_K. In ``gguf`` every
+    tensor keeps its own GGUF type instead."""
     fam = src.family
 
     def weight(key: str, fmt: str):
         _need_key(src, key)
-        return src.blocks(key, fmt) if src.blocks is not None else src.get(key)
+        if src.blocks is None:
+            return src.get(key)
+        return src.blocks(key, None if quant == "gguf" else fmt)
 
-    with Q4kWriter(folder, n_layers, src.config["hidden_size"]) as qw:
+    with Q4kWriter(folder, n_layers, src.config["hidden_size"], quant=quant) as qw:
         with stage("attention", n_layers) as bar:
             for i in range(n_layers):
                 qw.add_attn(i, *(weight(f"layers.{i}.self_attn.{p}.weight", f) for p, f in zip(ATTN_PROJ, ATTN_FORMATS, strict=True)))

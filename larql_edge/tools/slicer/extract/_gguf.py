@@ -127,7 +127,7 @@ def open_gguf(path: Path) -> ModelSource:
             arr = unpermute_qk(arr, n_kv)
         return arr
 
-    def blocks(key: str, target: str):
+    def blocks(key: str, target: str | None):
         """``key`` as ``target`` blocks: a Q4_K/Q6_K tensor of the GGUF is kept as it is (re-laid-out
         for LARQL's Q6_K), anything else is dequantized and quantized as LARQL does."""
         t, how = mapping[key]

@@ -40,8 +40,9 @@ class ModelSource:
     info: dict[str, Any] = field(default_factory=dict)
     close: Callable[[], None] = lambda: None
     # GGUF sources: ``blocks(key, target)`` is the tensor as a vindex block format (``Q4_K``/``Q6_K``),
-    # the file's own blocks kept where they already are that format (no requantization loss).
-    blocks: Callable[[str, str], Any] | None = None
+    # the file's own blocks kept where they already are that format (no requantization loss);
+    # ``target=None`` keeps its own type (quant: gguf).
+    blocks: Callable[[str, str | None], Any] | None = None
 
 
 def _package_gguf(alias: str) -> Path:
