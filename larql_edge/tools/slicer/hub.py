@@ -19,7 +19,7 @@ writes each download to a process-unique ``<name>.<uuid>.incomplete`` that it de
 nothing a failed or interrupted download fetched is ever reused. `Hub.fetch` appends to one
 partial per file and content, which the next attempt or the next pull continues with
 ``Range: bytes=<size on disk>-``. Both stop within one network read when the pull's stop event is
-set (`Cancelled`). `LocalFolder` and `HubCache` say where huggingface_hub keeps a file, its partials,
+set (`_Cancelled`). `LocalFolder` and `HubCache` say where huggingface_hub keeps a file, its partials,
 its lock and its bookkeeping in an output folder and in the Hub cache.
 """
 
@@ -323,12 +323,12 @@ class Hub:
             if have == size:
                 return fetched
             if stop.is_set():
-                raise Cancelled()
+                raise _Cancelled()
             got = [0]  # bytes this attempt wrote, also when it fails midway
             error: HubError | None = None
             try:
                 _fetch_once(url, headers, part, have, timeout, stop, lambda n: (got.__setitem__(0, got[0] + n), progress(n)))
-            except Cancelled:
+            except _Cancelled:
                 raise
             except Exception as e:
                 if not _transient(e):
@@ -346,7 +346,7 @@ class Hub:
                 kept = part.stat().st_size if part.exists() else 0
                 raise type(error)(f"{error.message} ({kept} of {size} bytes kept: pull again to resume)")
             if failures and stop.wait(RETRY_DELAYS[failures - 1]):
-                raise Cancelled()
+                raise _Cancelled()
 
 
 RETRY_DELAYS = (0.5, 1.0, 2.0)  # seconds before each retry that follows a failed attempt with no progress
@@ -367,7 +367,7 @@ class RemoteFile:
         return self.lfs_sha256 or self.blob_id
 
 
-class Cancelled(BaseException):
+class _Cancelled(BaseException):
     """Raised inside a download when the pull is stopping (Ctrl-C). A BaseException, so neither
     huggingface_hub's handlers nor `hub_errors` catch it on its way out (huggingface_hub then deletes
     its own partial, as it does on any failure)."""
@@ -375,12 +375,12 @@ class Cancelled(BaseException):
 
 def stop_aware_progress(stop: threading.Event) -> type:
     """The progress-bar class given to ``hf_hub_download``: it draws nothing (the pull prints its own
-    lines) and raises `Cancelled` at the download's next chunk once ``stop`` is set."""
+    lines) and raises `_Cancelled` at the download's next chunk once ``stop`` is set."""
 
     class StopAwareProgress:
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             if stop.is_set():
-                raise Cancelled()
+                raise _Cancelled()
 
         def __enter__(self) -> "StopAwareProgress":
             return self
@@ -390,7 +390,7 @@ def stop_aware_progress(stop: threading.Event) -> type:
 
         def update(self, n: float | None = 1) -> None:
             if stop.is_set():
-                raise Cancelled()
+                raise _Cancelled()
 
         def close(self) -> None:
             pass
@@ -418,7 +418,7 @@ def _fetch_once(url: str, headers: dict[str, str], part: Path, have: int, timeou
         with open(part, mode) as f:
             for chunk in r.iter_bytes():
                 if stop.is_set():
-                    raise Cancelled()
+                    raise _Cancelled()
                 f.write(chunk)
                 progress(len(chunk))
 
@@ -463,7 +463,7 @@ def file_lock(path: Path, stop: threading.Event | None = None) -> Iterator[None]
                 return
         except Timeout:
             if stop is not None and stop.is_set():
-                raise Cancelled() from None
+                raise _Cancelled() from None
 
 
 def lock_is_free(path: Path) -> bool:

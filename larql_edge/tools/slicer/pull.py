@@ -35,7 +35,6 @@ from larql_edge.errors import HubError, VindexError
 from larql_edge.format.presets import DEFAULT_SLICES, canonical_preset
 from larql_edge.format.vindex import INDEX, Vindex
 from larql_edge.tools.slicer.hub import (
-    Cancelled,
     Hub,
     HubCache,
     LocalFolder,
@@ -309,11 +308,11 @@ def _run(jobs: list[Callable[[], list[str]]], stop: threading.Event, progress: C
                 return
             try:
                 problems.extend(job())
-            except Cancelled:
-                return
-            except BaseException as e:  # noqa: BLE001 - handed to the main thread, which raises it
+            except Exception as e:  # handed to the main thread, which raises it
                 errors.append(e)
                 stop.set()
+                return
+            except BaseException:  # the Hub boundary's cancellation: the pull is stopping
                 return
 
     threads = [threading.Thread(target=work, name=f"pull-{i}", daemon=True) for i in range(min(WORKERS, len(jobs)))]
