@@ -118,10 +118,10 @@ def test_a_file_damaged_in_transit_is_removed_and_a_rerun_completes(hub, files, 
     vouched for only by the listing's lfs.sha256, tokenizer.json (git) by its blob id and index.json."""
     folder = _folder(where, tmp_path, hub, hub_cache)
     hub.corrupt_next_download(name)
-    with pytest.raises(HubError, match=f"{name}.*pull again|pull again.*{name}") as err:
+    with pytest.raises(LarqlError, match=name) as err:
         _pull(hub, where, tmp_path)
-    assert "\n" not in str(err.value)
     assert not (folder / name).exists(), "the damaged file is still there: every later pull would skip it"
+    assert isinstance(err.value, HubError) and "pull again" in str(err.value) and "\n" not in str(err.value)
     assert not (folder / ".cache/huggingface/download" / f"{name}.metadata").exists()
     assert _damaged_blobs(hub_cache) == []
     assert _partials(tmp_path / "out", hub_cache) == []
@@ -239,13 +239,13 @@ def test_partials_a_killed_pull_left_are_removed_unless_their_download_is_alive(
 # -- 3. Ctrl-C --------------------------------------------------------------------------------------
 
 
-def _when_partial_grows(roots: list[Path], nbytes: int, then, timeout: float = 30.0) -> threading.Thread:
-    """Call ``then()`` once a partial under ``roots`` holds ``nbytes`` (bounded: never after ``timeout``)."""
+def _when_sent(throttle, nbytes: int, then, timeout: float = 30.0) -> threading.Thread:
+    """Call ``then()`` once the throttled downloads have sent ``nbytes`` (never after ``timeout``)."""
 
     def watch() -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if any(p.stat().st_size >= nbytes for p in _partials(*roots) if p.exists()):
+            if throttle.bytes_sent >= nbytes:
                 then()
                 return
             time.sleep(0.02)
@@ -260,7 +260,7 @@ def test_ctrl_c_stops_the_downloads_and_a_rerun_resumes(hub, files, hub_cache, t
     running to its end, and the rerun continues from what is on disk."""
     out = tmp_path / "out"
     slow = hub.throttle_downloads("big.bin", 400_000)
-    watcher = _when_partial_grows([out, hub_cache], 200_000, lambda: os.kill(os.getpid(), signal.SIGINT))
+    watcher = _when_sent(slow, 200_000, lambda: os.kill(os.getpid(), signal.SIGINT))
     with pytest.raises(KeyboardInterrupt):
         _pull(hub, "output", tmp_path)
     watcher.join(5)
@@ -274,7 +274,7 @@ def test_ctrl_c_stops_the_downloads_and_a_rerun_resumes(hub, files, hub_cache, t
     again = _gets(hub, "big.bin")
     assert len(again) == 1 and again[0].status == 206
     start = int(again[0].header("range").removeprefix("bytes=").rstrip("-"))
-    assert start >= 200_000 and again[0].response_size == BIG - start
+    assert start > 0 and again[0].response_size == BIG - start
     _assert_complete(out, files)
     assert _partials(out, hub_cache) == []
 
@@ -295,7 +295,7 @@ def test_ctrl_c_stops_larql_slicer_pull_at_once_and_a_rerun_finishes(hub, files,
                             stdin=subprocess.DEVNULL, start_new_session=True)
     try:
         seen = threading.Event()
-        _when_partial_grows([out], 150_000, seen.set, timeout=90).join(95)
+        _when_sent(slow, 150_000, seen.set, timeout=90).join(95)
         assert seen.is_set(), "big.bin never started downloading"
         os.kill(proc.pid, signal.SIGINT)
         try:
@@ -383,7 +383,7 @@ def test_corrupt_and_throttle_faults(hub, files):
         slow = hub.throttle_downloads("gate_vectors.bin", 64_000)
         slowed = client.get(url, headers={"Range": "bytes=100-"})
         hub.remove_fault(slow)
-    assert len(bad) == len(want) and sum(a != b for a, b in zip(bad, want)) == 1
+    assert len(bad) == len(want) and sum(a != b for a, b in zip(bad, want, strict=True)) == 1
     assert good == want
     assert slowed.status_code == 206 and slowed.content == want[100:]
     assert [r.fault for r in _gets(hub, "gate_vectors.bin")] == ["corrupt", None, None]

@@ -66,6 +66,12 @@ class DownloadThrottle:
     glob: str
     bytes_per_second: int
     hits: int = 0
+    bytes_sent: int = 0  # body bytes the throttled downloads have written so far (live, unlike the request log)
+    _lock: threading.Lock = field(default_factory=threading.Lock, compare=False, repr=False)
+
+    def sent(self, n: int) -> None:
+        with self._lock:
+            self.bytes_sent += n
 
     def matches(self, file_path: str, request_path: str) -> bool:
         return fnmatch.fnmatchcase(file_path, self.glob) or fnmatch.fnmatchcase(request_path, self.glob)
@@ -177,13 +183,13 @@ class Faults:
             self._throttles.append(fault)
         return fault
 
-    def throttle_for(self, file_path: str, request_path: str) -> int | None:
-        """The slowest rate armed for this download (bytes per second), or None."""
+    def throttle_for(self, file_path: str, request_path: str) -> DownloadThrottle | None:
+        """The slowest throttle armed for this download, or None."""
         with self._lock:
-            rates = [t for t in self._throttles if t.matches(file_path, request_path)]
-            for t in rates:
+            armed = [t for t in self._throttles if t.matches(file_path, request_path)]
+            for t in armed:
                 t.hits += 1
-        return min((t.bytes_per_second for t in rates), default=None)
+        return min(armed, key=lambda t: t.bytes_per_second, default=None)
 
     def inject(self, entry: InjectedEntry) -> None:
         with self._lock:

@@ -29,7 +29,7 @@ import hashlib
 import os
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -47,6 +47,7 @@ from larql_edge.errors import (
 )
 
 REPO_TYPES = ("dataset", "model")
+RETRY_DELAYS = (0.5, 1.0, 2.0)  # seconds before each retry of a download that follows an attempt with no progress
 TOKEN_HINT = "set HF_TOKEN (or --hf-token-file), or log in with `hf auth login`"
 
 
@@ -324,10 +325,10 @@ class Hub:
                 return fetched
             if stop.is_set():
                 raise _Cancelled()
-            got = [0]  # bytes this attempt wrote, also when it fails midway
+            got = _Tally(progress)  # bytes this attempt wrote, also when it fails midway
             error: HubError | None = None
             try:
-                _fetch_once(url, headers, part, have, timeout, stop, lambda n: (got.__setitem__(0, got[0] + n), progress(n)))
+                _fetch_once(url, headers, part, have, timeout, stop, got)
             except _Cancelled:
                 raise
             except Exception as e:
@@ -336,20 +337,17 @@ class Hub:
                         part.unlink(missing_ok=True)
                     raise translate(e, what) from None
                 error = translate(e, what)
-            fetched += got[0]
-            if got[0] == 0 and error is None:  # a clean end of body, short of the file: as a failure
+            fetched += got.n
+            if got.n == 0 and error is None:  # a clean end of body, short of the file: as a failure
                 error = HubUnavailable(f"{what}: the Hub ended the download at byte {have} of {size}")
             if error is None:
                 continue
-            failures = 0 if got[0] else failures + 1
+            failures = 0 if got.n else failures + 1
             if failures > len(RETRY_DELAYS):
                 kept = part.stat().st_size if part.exists() else 0
                 raise type(error)(f"{error.message} ({kept} of {size} bytes kept: pull again to resume)")
             if failures and stop.wait(RETRY_DELAYS[failures - 1]):
                 raise _Cancelled()
-
-
-RETRY_DELAYS = (0.5, 1.0, 2.0)  # seconds before each retry that follows a failed attempt with no progress
 
 
 @dataclass(frozen=True)
@@ -396,6 +394,17 @@ def stop_aware_progress(stop: threading.Event) -> type:
             pass
 
     return StopAwareProgress
+
+
+class _Tally:
+    """Counts the bytes of one attempt and passes them on to the caller's progress."""
+
+    def __init__(self, forward: Callable[[int], None]):
+        self.n, self.forward = 0, forward
+
+    def __call__(self, n: int) -> None:
+        self.n += n
+        self.forward(n)
 
 
 def _fetch_once(url: str, headers: dict[str, str], part: Path, have: int, timeout: float,
@@ -456,14 +465,15 @@ def file_lock(path: Path, stop: threading.Event | None = None) -> Iterator[None]
     from huggingface_hub.utils import WeakFileLock
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    while True:
-        try:
-            with WeakFileLock(path, timeout=0.2):
-                yield
-                return
-        except Timeout:
-            if stop is not None and stop.is_set():
-                raise _Cancelled() from None
+    with ExitStack() as held:
+        while True:
+            try:
+                held.enter_context(WeakFileLock(path, timeout=0.2))
+                break
+            except Timeout:
+                if stop is not None and stop.is_set():
+                    raise _Cancelled() from None
+        yield
 
 
 def lock_is_free(path: Path) -> bool:

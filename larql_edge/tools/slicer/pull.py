@@ -28,6 +28,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 from larql_edge.console import human
@@ -121,20 +122,21 @@ class _Target:
 
     # -- git-stored files: huggingface_hub as it is --------------------------------------------------
 
-    def fetch_git(self, rf: RemoteFile) -> list[str]:
+    def fetch_git(self, rf: RemoteFile) -> dict[str, str]:
         self.hub.download(self.repo_id, rf.path, revision=self.commit, cache_dir=self.cache.cache_dir,
                           local_dir=self.local.root if self.local else None, stop=self.stop)
-        return []
+        return {}
 
     # -- LFS files: resumable ----------------------------------------------------------------------
 
-    def fetch_lfs(self, group: list[RemoteFile]) -> list[str]:
-        """Files of one content (a vindex links lm_head.bin to embeddings.bin): fetched once."""
-        problems: list[str] = []
+    def fetch_lfs(self, group: list[RemoteFile]) -> dict[str, str]:
+        """Files of one content (a vindex links lm_head.bin to embeddings.bin): fetched once. Returns
+        path -> problem for a file whose bytes came wrong (removed already)."""
+        problems: dict[str, str] = {}
         for rf in group:
             problem = self._place_local(rf, group) if self.local else self._place_cached(rf)
             if problem:
-                problems.append(problem)
+                problems[rf.path] = problem
         return problems
 
     def _place_local(self, rf: RemoteFile, group: list[RemoteFile]) -> str | None:
@@ -150,9 +152,9 @@ class _Target:
         self.local.forget(rf.path)  # another revision's content, or damaged
         with file_lock(self.local.lock(rf.path), self.stop):
             part = self.local.partial(rf.path, sha)
-            # A copy already here (a sibling of the same content, the Hub cache) beats the network.
-            siblings = [self.local.file(o.path) for o in group if o is not rf and self.verified.get(o.path) == sha]
-            problem = self._fill(rf, part, siblings + [self.cache.blob(sha)])
+            # A copy already here (a file of the same content, the Hub cache) beats the network; _fill checks it.
+            copies = [self.local.file(o.path) for o in group if o is not rf] + [self.cache.blob(sha)]
+            problem = self._fill(rf, part, copies)
             if problem:
                 return problem
             dest.parent.mkdir(parents=True, exist_ok=True)
@@ -175,8 +177,8 @@ class _Target:
                         return problem
                     os.replace(part, blob)
                     self.fresh_blobs.add(sha)
-        if pointer.is_symlink():
-            pointer.unlink()  # a link to a blob that was removed as damaged
+        if pointer.is_symlink() or pointer.exists():
+            pointer.unlink()  # a link to a blob removed as damaged, or a wrong copy: huggingface_hub would keep it
         self.fetch_git(rf)  # huggingface_hub links the snapshot to the blob now in place, and records the ref
         if sha in self.fresh_blobs:
             self.verified[rf.path] = sha
@@ -185,7 +187,7 @@ class _Target:
     def _fill(self, rf: RemoteFile, part: Path, copies: list[Path]) -> str | None:
         """Make ``part`` the file's exact bytes: from a copy, else from the Hub (continuing ``part``).
         Returns the problem when the bytes fetched are not the Hub's (the partial is removed)."""
-        sha = rf.lfs_sha256
+        sha = rf.lfs_sha256 or ""
         if not part.exists():
             for src in copies:
                 if _complete(src, rf.size):
@@ -201,7 +203,7 @@ class _Target:
                              progress=self.count)
         if got:
             self.log(f"  {rf.path}: {human(got)}" + (f" (resumed at {human(had)})" if had else ""))
-        have = digest(part, sha256=True, git=False)[0]
+        have = digest(part, sha256=True, git=False)[0] or ""
         if have != sha:
             part.unlink(missing_ok=True)
             return f"{rf.path}: downloaded bytes do not match the Hub's sha256 ({have[:12]}…, the Hub lists {sha[:12]}…)"
@@ -209,49 +211,48 @@ class _Target:
 
     # -- checks and healing ------------------------------------------------------------------------
 
-    def verify(self, listing: dict[str, RemoteFile]) -> tuple[dict[str, str], list[str]]:
-        """Check every file; return (damaged: path -> problem, the repo's own inconsistencies)."""
+    def verify(self, listing: dict[str, RemoteFile], skip: set[str]) -> tuple[dict[str, str], list[str]]:
+        """Check every file (but ``skip``); return (damaged: path -> problem, the repo's own inconsistencies)."""
         damaged: dict[str, str] = {}
         inconsistent: list[str] = []
         sums: dict[str, str] = {}
-        index_problem = self._check(listing[INDEX], None)
-        if index_problem:
-            damaged[INDEX] = index_problem
+        index = self._check(listing[INDEX], None)
+        if index:
+            damaged[INDEX] = index[0]
         else:
             sums = Vindex.open(self.root).checksums
             inconsistent += [f"{INDEX} lists {n}, which the repo does not hold" for n in sorted(set(sums) - set(listing))]
         for name, rf in sorted(listing.items()):
-            if name == INDEX:
+            if name == INDEX or name in skip:
                 continue
-            problem = self._check(rf, sums.get(name))
-            if problem and problem.startswith("!"):
-                inconsistent.append(problem[1:])
-            elif problem:
-                damaged[name] = problem
+            found = self._check(rf, sums.get(name))
+            if found and found[1]:
+                damaged[name] = found[0]
+            elif found:
+                inconsistent.append(found[0])
         return damaged, inconsistent
 
-    def _check(self, rf: RemoteFile, index_sha: str | None) -> str | None:
-        """None when the file is right; its problem ('!'-prefixed: the repo disagrees with itself)."""
+    def _check(self, rf: RemoteFile, index_sha: str | None) -> tuple[str, bool] | None:
+        """None when the file is right, else (its problem, whether our copy is damaged: False when the
+        bytes are the Hub's and the repo's own index.json disagrees with them)."""
         path = self.file(rf.path)
         if not path.is_file():
-            return f"{rf.path}: missing"
+            return f"{rf.path}: missing", True
         size = path.stat().st_size
         if size != rf.size:
-            return f"{rf.path}: {size} bytes, the Hub lists {rf.size}"
-        want = rf.lfs_sha256 or index_sha
+            return f"{rf.path}: {size} bytes, the Hub lists {rf.size}", True
         known = self.verified.get(rf.path)
-        need256 = want is not None and known is None
+        need256 = (rf.lfs_sha256 or index_sha) is not None and known is None
         needgit = rf.lfs_sha256 is None and rf.blob_id is not None
         sha, git = digest(path, sha256=need256, git=needgit) if (need256 or needgit) else (None, None)
-        sha = sha or known
+        sha = sha or known or ""
         if rf.lfs_sha256 and sha != rf.lfs_sha256:
-            return f"{rf.path}: sha256 {sha[:12] if sha else '?'}…, the Hub lists {rf.lfs_sha256[:12]}…"
-        if needgit and git != rf.blob_id:
-            return f"{rf.path}: git blob {git[:12] if git else '?'}…, the Hub lists {rf.blob_id[:12] if rf.blob_id else '?'}…"
+            return f"{rf.path}: sha256 {sha[:12]}…, the Hub lists {rf.lfs_sha256[:12]}…", True
+        if rf.blob_id and needgit and git != rf.blob_id:
+            return f"{rf.path}: git blob {(git or '')[:12]}…, the Hub lists {rf.blob_id[:12]}…", True
         if index_sha and sha != index_sha:
-            if rf.lfs_sha256 or needgit:  # the bytes are the Hub's: its index.json disagrees with them
-                return f"!{rf.path}: {INDEX} records sha256 {index_sha[:12]}…, the Hub's file is {sha[:12] if sha else '?'}…"
-            return f"{rf.path}: sha256 {sha[:12] if sha else '?'}…, {INDEX} records {index_sha[:12]}…"
+            vouched = bool(rf.lfs_sha256 or needgit)  # the Hub's listing vouches for these bytes
+            return f"{rf.path}: sha256 {sha[:12]}…, {INDEX} records {index_sha[:12]}…", not vouched
         return None
 
     def forget(self, name: str, rf: RemoteFile | None) -> None:
@@ -271,18 +272,19 @@ class _Target:
         """Remove partials nobody will continue: huggingface_hub's (``.incomplete``: a process that died
         while downloading) and ours of other contents; each only when its lock is free. With
         ``keep_resumable``, our partials of this listing stay (the downloads continue them)."""
-        lfs = [rf for rf in listing.values() if rf.lfs_sha256]
+        lfs = [(rf.path, rf.lfs_sha256) for rf in listing.values() if rf.lfs_sha256]
         if self.local:
-            keep = {self.local.partial(rf.path, rf.lfs_sha256): rf.path for rf in lfs} if keep_resumable else {}  # type: ignore[arg-type]
-            locks = {p: self.local.lock(rf.path) for rf in listing.values() if rf.etag
-                     for p in self.local.incomplete_of(rf.path, rf.etag)}
-            locks.update({self.local.partial(rf.path, rf.lfs_sha256): self.local.lock(rf.path) for rf in lfs})  # type: ignore[arg-type]
-            for p in self.local.partials():
-                if p not in keep and (p not in locks or lock_is_free(locks[p])):
+            local = self.local
+            keep = {local.partial(name, sha) for name, sha in lfs} if keep_resumable else set()
+            lock_of = {local.partial(name, sha): local.lock(name) for name, sha in lfs}
+            lock_of.update({p: local.lock(rf.path) for rf in listing.values() if rf.etag
+                            for p in local.incomplete_of(rf.path, rf.etag)})
+            for p in local.partials():  # one of no listed file: another revision's, nobody continues it
+                if p not in keep and (p not in lock_of or lock_is_free(lock_of[p])):
                     p.unlink(missing_ok=True)
-        keep_blobs = {self.cache.partial(rf.lfs_sha256) for rf in lfs} if keep_resumable else set()  # type: ignore[arg-type]
+        keep = {self.cache.partial(sha) for _, sha in lfs} if keep_resumable else set()
         for p in self.cache.partials():
-            if p not in keep_blobs and lock_is_free(self.cache.lock(p.name.split(".")[0])):
+            if p not in keep and lock_is_free(self.cache.lock(p.name.split(".")[0])):
                 p.unlink(missing_ok=True)
 
 
@@ -290,14 +292,14 @@ def _complete(path: Path, size: int) -> bool:
     return path.is_file() and path.stat().st_size == size
 
 
-def _run(jobs: list[Callable[[], list[str]]], stop: threading.Event, progress: Callable[[], None]) -> list[str]:
+def _run(jobs: list[Callable[[], dict[str, str]]], stop: threading.Event, progress: Callable[[], None]) -> dict[str, str]:
     """Run ``jobs`` on daemon threads (a thread pool's workers are joined at exit: after Ctrl-C the
-    process would wait for every download in flight); return their problems; re-raise the first error
-    (after it, the others stop too, keeping what they fetched)."""
-    pending: queue.SimpleQueue[Callable[[], list[str]]] = queue.SimpleQueue()
+    process would wait for every download in flight); return the problems they report; re-raise the
+    first error (after it, the others stop too, keeping what they fetched)."""
+    pending: queue.SimpleQueue[Callable[[], dict[str, str]]] = queue.SimpleQueue()
     for job in jobs:
         pending.put(job)
-    problems: list[str] = []
+    problems: dict[str, str] = {}
     errors: list[BaseException] = []
 
     def work() -> None:
@@ -307,7 +309,7 @@ def _run(jobs: list[Callable[[], list[str]]], stop: threading.Event, progress: C
             except queue.Empty:
                 return
             try:
-                problems.extend(job())
+                problems.update(job())
             except Exception as e:  # handed to the main thread, which raises it
                 errors.append(e)
                 stop.set()
@@ -358,14 +360,14 @@ def pull_one(hub: Hub, repo_id: str, output: Path | None, revision: str | None, 
     for rf in listing.values():
         if rf.lfs_sha256:
             groups.setdefault(rf.lfs_sha256, []).append(rf)
-    jobs: list[Callable[[], list[str]]] = [lambda g=g: t.fetch_lfs(g) for g in groups.values()]
-    jobs += [lambda rf=rf: t.fetch_git(rf) for rf in listing.values() if not rf.lfs_sha256]
-    problems = _run(jobs, stop, lambda: log(f"  ... {human(t.fetched)} fetched"))
+    jobs: list[Callable[[], dict[str, str]]] = [partial(t.fetch_lfs, g) for g in groups.values()]
+    jobs += [partial(t.fetch_git, rf) for rf in listing.values() if not rf.lfs_sha256]
+    failed = _run(jobs, stop, lambda: log(f"  ... {human(t.fetched)} fetched"))  # path -> problem, removed already
 
-    damaged, inconsistent = t.verify(listing) if not problems else ({}, [])
+    damaged, inconsistent = t.verify(listing, skip=set(failed))
     for name in damaged:
         t.forget(name, listing.get(name))
-    problems += list(damaged.values())
+    problems = [failed[n] for n in sorted(failed)] + [damaged[n] for n in sorted(damaged)]
     if problems:
         raise HubError(f"{repo_id}: {len(problems)} file(s) failed verification and were removed, pull again to"
                        f" fetch them: {'; '.join(problems)}")
