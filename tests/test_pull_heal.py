@@ -387,3 +387,76 @@ def test_corrupt_and_throttle_faults(hub, files):
     assert good == want
     assert slowed.status_code == 206 and slowed.content == want[100:]
     assert [r.fault for r in _gets(hub, "gate_vectors.bin")] == ["corrupt", None, None]
+
+
+# -- the Range-resuming fetch itself ------------------------------------------------------------------
+
+
+class _NoRangeHandler:
+    """A server that ignores Range and always sends the whole file (as some proxies and CDNs do)."""
+
+    @staticmethod
+    def serve(data: bytes):
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args) -> None:
+                pass
+
+        server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+        return server
+
+
+def test_fetch_rewrites_a_partial_when_the_server_ignores_range_and_restarts_one_too_long(hf_env, tmp_path):
+    from larql_edge.tools.slicer.hub import Hub
+
+    data = np.random.default_rng(3).bytes(200_000)
+    server = _NoRangeHandler.serve(data)
+    try:
+        hub = Hub(endpoint=f"http://127.0.0.1:{server.server_address[1]}", token="t")
+        part = tmp_path / "x.part"
+        part.write_bytes(data[:1000])  # the server answers 200 to our Range: the partial must not be appended to
+        assert hub.fetch("o/n", "x.bin", revision="a" * 40, part=part, size=len(data), stop=threading.Event()) == len(data)
+        assert part.read_bytes() == data
+        part.write_bytes(b"z" * (len(data) + 5))  # longer than the file: not a prefix of it
+        hub.fetch("o/n", "x.bin", revision="a" * 40, part=part, size=len(data), stop=threading.Event())
+        assert part.read_bytes() == data
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_fetch_stops_at_its_next_read_and_keeps_what_it_wrote(hub, files, tmp_path):
+    from larql_edge.tools.slicer import hub as H
+
+    slow = hub.throttle_downloads("big.bin", 200_000)
+    commit = hub.commits(REPO)[0].oid
+    part, stop, raised = tmp_path / "big.part", threading.Event(), []
+
+    def run() -> None:
+        try:
+            H.Hub(endpoint=hub.url, token=hub.token).fetch(REPO, "big.bin", revision=commit, part=part, size=BIG, stop=stop)
+        except BaseException as e:  # noqa: BLE001 - what the fetch raised is the assertion
+            raised.append(e)
+
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    _when_sent(slow, 100_000, stop.set).join(30)
+    worker.join(10)
+    assert not worker.is_alive() and [type(e) for e in raised] == [H._Cancelled]
+    kept = part.stat().st_size
+    assert 0 < kept < BIG
+    hub.remove_fault(slow)
+    H.Hub(endpoint=hub.url, token=hub.token).fetch(REPO, "big.bin", revision=commit, part=part, size=BIG,
+                                                  stop=threading.Event())
+    assert part.read_bytes() == files["big.bin"]
+    assert sorted(str(g.header("range")) for g in _gets(hub, "big.bin")) == ["None", f"bytes={kept}-"]

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from larql_edge.console import human
 from larql_edge.errors import (
     HubError,
     HubForbidden,
@@ -345,7 +346,7 @@ class Hub:
             failures = 0 if got.n else failures + 1
             if failures > len(RETRY_DELAYS):
                 kept = part.stat().st_size if part.exists() else 0
-                raise type(error)(f"{error.message} ({kept} of {size} bytes kept: pull again to resume)")
+                raise type(error)(f"{error.message} ({human(kept)} of {human(size)} kept: pull again to resume)")
             if failures and stop.wait(RETRY_DELAYS[failures - 1]):
                 raise _Cancelled()
 
