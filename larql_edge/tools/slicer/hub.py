@@ -18,9 +18,13 @@ huggingface_hub 2.4 resumes a download only inside one call and only from whole 
 writes each download to a process-unique ``<name>.<uuid>.incomplete`` that it deletes on failure, so
 nothing a failed or interrupted download fetched is ever reused. `Hub.fetch` appends to one
 partial per file and content, which the next attempt or the next pull continues with
-``Range: bytes=<size on disk>-``. Both stop within one network read when the pull's stop event is
-set (`_Cancelled`). `LocalFolder` and `HubCache` say where huggingface_hub keeps a file, its partials,
-its lock and its bookkeeping in an output folder and in the Hub cache.
+``Range: bytes=<size on disk>-``, under huggingface_hub's own lock for the file and in its layout
+(so ``hf_hub_download`` and ``hf download`` find the file in place and trust it). When the pull's
+stop event is set, `Hub.fetch` stops at its next network read and ``hf_hub_download`` at its next
+chunk (its progress bar raises `_Cancelled`). `LocalFolder` and `HubCache` say where huggingface_hub
+keeps a file, its partials, its lock and its metadata in an output folder and in the Hub cache.
+(With ``hf_xet`` installed huggingface_hub would take Xet for LFS files; `Hub.fetch` takes the plain
+HTTP path the Hub offers every client, the one ``HF_HUB_DISABLE_XET=1`` selects.)
 """
 
 from __future__ import annotations
@@ -580,10 +584,11 @@ class HubCache:
         """Remove a file's snapshot link and the blob it showed (wrong bytes, whoever else links to it):
         the next pull downloads it again."""
         pointer = self.file(name)
-        target = Path(os.path.realpath(pointer)) if pointer.is_symlink() else None
+        shown = [Path(os.path.realpath(pointer))] if pointer.is_symlink() else []
         pointer.unlink(missing_ok=True)
-        for blob in {b for b in (target, self.blob(etag) if etag else None) if b is not None}:
-            if blob.parent == self.blobs:
+        blobs = Path(os.path.realpath(self.blobs))
+        for blob in shown + ([Path(os.path.realpath(self.blob(etag)))] if etag else []):
+            if blob.parent == blobs:  # never a file outside this repo's blobs
                 blob.unlink(missing_ok=True)
 
     def partials(self) -> list[Path]:
