@@ -9,6 +9,8 @@
         assert hub.lfs_bytes_uploaded() == 0
         hub.fail_next("POST", r"/preupload/", 500)
         hub.fail_next_download_after("*.bin", 1000)
+        hub.corrupt_next_download("*.bin")       # one flipped byte, right length and headers
+        slow = hub.throttle_downloads("*.bin", 100_000)   # bytes/s, until hub.remove_fault(slow)
 
 Serves model and dataset repos (repo API, tree, preupload, NDJSON commit, Git LFS batch/upload/verify,
 resolve with Range), collections and whoami. It never advertises Xet (no X-Xet-* headers, `xetEnabled: false`),
@@ -19,7 +21,7 @@ to take the LFS path. Module map: `_server` (lifecycle, test API), `_routes` (UR
 """
 
 from ._errors import HubError
-from ._faults import DownloadCut, StatusFault
+from ._faults import DownloadCorruption, DownloadCut, DownloadThrottle, StatusFault
 from ._guard import ForeignHostBlocked, local_only_client
 from ._recording import RecordedRequest
 from ._server import DEFAULT_TOKEN, DEFAULT_USER, HubServer
@@ -29,7 +31,9 @@ __all__ = [
     "DEFAULT_TOKEN",
     "DEFAULT_USER",
     "Commit",
+    "DownloadCorruption",
     "DownloadCut",
+    "DownloadThrottle",
     "FileEntry",
     "ForeignHostBlocked",
     "HubError",

@@ -1,4 +1,4 @@
-"""Fault injection: forced statuses, cut downloads and poisoned tree listings.
+"""Fault injection: forced statuses, cut, corrupted and throttled downloads, poisoned tree listings.
 
 Faults are consulted by the request handler before normal routing (forced statuses) or while serving
 (download cuts, injected tree entries). One-shot faults are consumed by the first matching request.
@@ -48,6 +48,36 @@ class DownloadCut:
 
 
 @dataclass
+class DownloadCorruption:
+    """Flip one byte of the next `remaining` file downloads whose path matches `glob` (same length, wrong bytes)."""
+
+    glob: str
+    remaining: int
+    hits: int = 0
+
+    def matches(self, file_path: str, request_path: str) -> bool:
+        return fnmatch.fnmatchcase(file_path, self.glob) or fnmatch.fnmatchcase(request_path, self.glob)
+
+
+@dataclass
+class DownloadThrottle:
+    """Serve file downloads whose path matches `glob` at about `bytes_per_second` (until removed)."""
+
+    glob: str
+    bytes_per_second: int
+    hits: int = 0
+    bytes_sent: int = 0  # body bytes the throttled downloads have written so far (live, unlike the request log)
+    _lock: threading.Lock = field(default_factory=threading.Lock, compare=False, repr=False)
+
+    def sent(self, n: int) -> None:
+        with self._lock:
+            self.bytes_sent += n
+
+    def matches(self, file_path: str, request_path: str) -> bool:
+        return fnmatch.fnmatchcase(file_path, self.glob) or fnmatch.fnmatchcase(request_path, self.glob)
+
+
+@dataclass
 class InjectedEntry:
     """An extra file entry served in a repo's tree listing (and siblings), e.g. a path-traversal attempt."""
 
@@ -77,6 +107,8 @@ class Faults:
         self._lock = threading.Lock()
         self._status: list[StatusFault] = []
         self._cuts: list[DownloadCut] = []
+        self._corruptions: list[DownloadCorruption] = []
+        self._throttles: list[DownloadThrottle] = []
         self._injected: list[InjectedEntry] = []
 
     def add_status(
@@ -128,6 +160,37 @@ class Faults:
                     return cut.nbytes
         return None
 
+    def add_corruption(self, glob: str, *, times: int = 1) -> DownloadCorruption:
+        fault = DownloadCorruption(glob=glob, remaining=times)
+        with self._lock:
+            self._corruptions.append(fault)
+        return fault
+
+    def take_corruption(self, file_path: str, request_path: str) -> bool:
+        with self._lock:
+            for fault in self._corruptions:
+                if fault.remaining > 0 and fault.matches(file_path, request_path):
+                    fault.remaining -= 1
+                    fault.hits += 1
+                    return True
+        return False
+
+    def add_throttle(self, glob: str, bytes_per_second: int) -> DownloadThrottle:
+        if bytes_per_second <= 0:
+            raise ValueError("bytes_per_second must be positive")
+        fault = DownloadThrottle(glob=glob, bytes_per_second=bytes_per_second)
+        with self._lock:
+            self._throttles.append(fault)
+        return fault
+
+    def throttle_for(self, file_path: str, request_path: str) -> DownloadThrottle | None:
+        """The slowest throttle armed for this download, or None."""
+        with self._lock:
+            armed = [t for t in self._throttles if t.matches(file_path, request_path)]
+            for t in armed:
+                t.hits += 1
+        return min(armed, key=lambda t: t.bytes_per_second, default=None)
+
     def inject(self, entry: InjectedEntry) -> None:
         with self._lock:
             self._injected.append(entry)
@@ -136,15 +199,16 @@ class Faults:
         with self._lock:
             return [e for e in self._injected if e.repo_type == repo_type and e.repo_id == repo_id]
 
-    def remove(self, fault: StatusFault | DownloadCut) -> None:
+    def remove(self, fault: StatusFault | DownloadCut | DownloadCorruption | DownloadThrottle) -> None:
         with self._lock:
-            if isinstance(fault, StatusFault) and fault in self._status:
-                self._status.remove(fault)
-            elif isinstance(fault, DownloadCut) and fault in self._cuts:
-                self._cuts.remove(fault)
+            for kept in (self._status, self._cuts, self._corruptions, self._throttles):
+                if fault in kept:
+                    kept.remove(fault)  # type: ignore[arg-type]
 
     def clear(self) -> None:
         with self._lock:
             self._status.clear()
             self._cuts.clear()
+            self._corruptions.clear()
+            self._throttles.clear()
             self._injected.clear()

@@ -280,10 +280,25 @@ class BaseHubHandler(BaseHTTPRequestHandler):
         if self.command == "HEAD" or length == 0:
             return
         cut = self.hub.faults.take_cut(file_path, self.decoded_path)
+        corrupt = self.hub.faults.take_corruption(file_path, self.decoded_path)
+        throttle = self.hub.faults.throttle_for(file_path, self.decoded_path)
         budget = length if cut is None else min(cut, length)
         for chunk in _iter_source(source, start, budget):
-            self.wfile.write(chunk)
-            self.response_size += len(chunk)
+            if corrupt:
+                chunk, corrupt = bytes([chunk[0] ^ 0xFF]) + chunk[1:], False
+                self.fault_kind = "corrupt"
+            if throttle is None:
+                self.wfile.write(chunk)
+                self.response_size += len(chunk)
+                continue
+            rate = throttle.bytes_per_second
+            piece = max(1024, rate // 20)  # about 20 writes a second: a steady slow link
+            for offset in range(0, len(chunk), piece):
+                part = chunk[offset : offset + piece]
+                self.wfile.write(part)
+                self.response_size += len(part)
+                throttle.sent(len(part))
+                time.sleep(len(part) / rate)
         if cut is not None:
             self.fault_kind = "cut"
             if budget < length:

@@ -23,7 +23,7 @@ class RecordedRequest:
     status: int  # status sent (0 if the handler died before answering)
     response_size: int  # response body bytes actually written (less than announced when a download was cut)
     auth: str  # "none" (no token), "valid", "invalid"
-    fault: str | None = None  # "status" (forced status), "cut" (download cut), or None
+    fault: str | None = None  # "status" (forced status), "cut" (download cut), "corrupt" (a flipped byte), or None
     timestamp: float = field(default=0.0, compare=False)
 
     def header(self, name: str, default: str | None = None) -> str | None:

@@ -16,7 +16,7 @@ from ._api_collections import CollectionRoutes
 from ._api_lfs import LfsRoutes
 from ._api_repos import RepoRoutes
 from ._collections import CollectionStore
-from ._faults import DownloadCut, Faults, InjectedEntry, StatusFault
+from ._faults import DownloadCorruption, DownloadCut, DownloadThrottle, Faults, InjectedEntry, StatusFault
 from ._recording import RecordedRequest, RequestLog, filter_requests
 from ._state import HubState
 from ._storage import DEFAULT_GITATTRIBUTES, Commit, FileEntry, Repo, Storage, is_binary_sample, matches_gitattributes
@@ -238,6 +238,23 @@ class HubServer:
         announces the full Content-Length, sends `nbytes`, then closes the connection.
         """
         return self._state.faults.add_cut(path_glob, nbytes, times=times)
+
+    def corrupt_next_download(self, path_glob: str, *, times: int = 1) -> DownloadCorruption:
+        """Serve the next `times` GET downloads of files matching `path_glob` with one byte flipped.
+
+        The length, the headers (ETag, X-Linked-Etag) and the listing stay right: only the bytes are wrong,
+        as after a fault in transit or in the Hub's storage. The glob matches like `fail_next_download_after`.
+        """
+        return self._state.faults.add_corruption(path_glob, times=times)
+
+    def throttle_downloads(self, path_glob: str, bytes_per_second: int) -> DownloadThrottle:
+        """Serve GET downloads of files matching `path_glob` at about `bytes_per_second` until the fault is
+        removed (`remove_fault`) or `clear_faults()`: a slow link, so a test can interrupt a download midway."""
+        return self._state.faults.add_throttle(path_glob, bytes_per_second)
+
+    def remove_fault(self, fault: StatusFault | DownloadCut | DownloadCorruption | DownloadThrottle) -> None:
+        """Disarm one fault returned by `fail_next`, `respond_with`, `fail_next_download_after`, ..."""
+        self._state.faults.remove(fault)
 
     def inject_tree_entry(
         self, repo_id: str, path: str, *, repo_type: str = "dataset", content: bytes = b"", lfs: bool = False

@@ -1,8 +1,10 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from larql_edge.config import Flags
+from larql_edge.console import INTERRUPTED
 from larql_edge.tools.slicer.commands._hubflags import add_hub_flags
 from larql_edge.tools.slicer.pull import pull
 
@@ -26,9 +28,16 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    rep = pull(args.repo, preset=args.preset, all_slices=args.all_slices, collection=args.collection,
-               output=args.output, revision=args.revision, repo_type=args.repo_type,
-               template=args.slice_repo_template, endpoint=args.endpoint, token=args.hf_token)
+    try:
+        rep = pull(args.repo, preset=args.preset, all_slices=args.all_slices, collection=args.collection,
+                   output=args.output, revision=args.revision, repo_type=args.repo_type,
+                   template=args.slice_repo_template, endpoint=args.endpoint, token=args.hf_token)
+    except KeyboardInterrupt:
+        # The downloads have stopped (pull waits for them briefly; what still runs is a daemon thread that
+        # dies with the process). One line, and what to do next.
+        print("larql-slicer pull: interrupted; what was downloaded is kept: run the same command again to finish",
+              file=sys.stderr, flush=True)
+        return INTERRUPTED
     ok = [r for r in rep.results if not r.error]
     print(f"Pulled {len(ok)}/{len(rep.results)} repos")
     for r in rep.results:
