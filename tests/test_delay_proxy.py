@@ -299,3 +299,16 @@ def test_command_line_errors(argv, message):
     r = subprocess.run([sys.executable, "-m", "larql_edge.tools.delay_proxy", *argv], capture_output=True, text=True,
                        timeout=30)
     assert r.returncode == 2 and message in r.stderr, r.stderr
+
+
+def test_stopping_with_bytes_in_flight_is_clean(caplog):
+    """Stopping the proxy while a chunk waits out its delay: connections go, nothing is logged as
+    an error (asyncio reports a handler task that ends cancelled as an unhandled exception)."""
+    with EchoServer() as echo:
+        with caplog.at_level("ERROR", logger="asyncio"):
+            with DelayProxy((LOOPBACK, 0), (LOOPBACK, echo.port), delay_ms=500).running() as proxy:
+                s = connect(proxy.port)
+                s.sendall(b"in flight")
+                time.sleep(0.05)
+            s.close()
+        assert [r for r in caplog.records if r.levelname == "ERROR"] == []

@@ -227,6 +227,18 @@ class DelayProxy:
         return max(asyncio.get_running_loop().time() + max(d, 0.0), last_due)
 
     async def _accept(self, c_reader: asyncio.StreamReader, c_writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        if task is not None:  # aclose() cancels and awaits every connection handler
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        try:
+            await self._proxy(c_reader, c_writer)
+        except asyncio.CancelledError:
+            # The end of this connection's own task: returning (not re-raising) keeps asyncio's
+            # stream callback (3.11) from logging the cancellation as an error.
+            c_writer.transport.abort()
+
+    async def _proxy(self, c_reader: asyncio.StreamReader, c_writer: asyncio.StreamWriter) -> None:
         if self._cut:
             c_writer.transport.abort()
             return
