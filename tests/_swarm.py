@@ -368,11 +368,12 @@ class Swarm:
         want = os.environ.get("LARQL_SWARM_TMPFS", "auto")
         size_gb = int(os.environ.get("LARQL_SWARM_TMPFS_GB", "10"))
         if want == "auto":
+            # The tmpfs holds ~5 GiB when the grid runs (three image stores, the embed server's
+            # lm_head copy); its size is only a cap. Leave room for the grid's own processes.
             avail_gb = _mem_available_gb()
-            want = "1" if avail_gb >= size_gb + 6 else "0"
+            want = "1" if avail_gb >= 12 else "0"
             if want == "0":
-                log(f"data roots on disk: only {avail_gb:.0f} GiB of memory available "
-                    f"(a {size_gb} GiB tmpfs wants {size_gb + 6})")
+                log(f"data roots on disk: only {avail_gb:.0f} GiB of memory available (a tmpfs wants 12)")
         if want == "1":
             sh("mount", "-t", "tmpfs", "-o", f"size={size_gb}g,mode=0711", f"{PREFIX}-data", BASE_DIR)
             self.timings["tmpfs GiB"] = size_gb
@@ -790,16 +791,23 @@ class Swarm:
                     "-j", "DROP")
         log(f"partitioned {a.name} from {b.name}")
 
-    def heal(self, a: Node, b: Node) -> None:
+    def heal(self, a: Node, b: Node) -> bool:
+        """Undo `partition(a, b)`; True if there was a partition to undo."""
+        healed = False
         for chain, flag in (("INPUT", "-s"), ("OUTPUT", "-d")):
-            a.in_ns("iptables", "-D", chain, flag, b.ip, "-m", "comment", "--comment", f"{PREFIX}-partition",
-                    "-j", "DROP", check=False)
-        # Existing conntrack entries would keep nothing alive (DROP is per packet); nothing else to undo.
-        log(f"healed {a.name} <-> {b.name}")
+            rule = [chain, flag, b.ip, "-m", "comment", "--comment", f"{PREFIX}-partition", "-j", "DROP"]
+            while a.in_ns("iptables", "-C", *rule, check=False).returncode == 0:  # bounded: one per insert
+                a.in_ns("iptables", "-D", *rule)
+                healed = True
+        if healed:
+            log(f"healed {a.name} <-> {b.name}")
+        return healed
 
     def heal_all(self) -> None:
+        """Every link up, every partition undone (a test's faults never outlive it)."""
         for n in self.nodes:
-            self.restore_link(n) if not self.link_up(n) else None
+            if not self.link_up(n):
+                self.restore_link(n)
             for other in self.nodes:
                 if other is not n:
                     self.heal(n, other)

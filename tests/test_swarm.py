@@ -142,7 +142,7 @@ def _probe_features(swarm: sw.Swarm) -> dict:
     ffn = help_of("ffn", "larql-ffn")
     return {
         "grid_key_file": "LARQL_GRID_KEY_FILE" in ffn or "--grid-key-file" in ffn,
-        "multi_router": "comma-separated" in ffn.split("--join", 1)[-1][:300],
+        "multi_router": any("comma-separated" in part[:200] for part in ffn.split("--join")[1:]),
         "serve": sw.sh("docker", "image", "inspect", dk.image("serve"), check=False, timeout=30).returncode == 0,
     }
 
@@ -212,6 +212,8 @@ def grid(gemma_f16, reference, golden):
     finally:
         swarm.down()
         log(f"swarm test module: {time.monotonic() - t0:.0f}s in all")
+        host_state = sw.sh("docker", "info", "--format", "{{.Swarm.LocalNodeState}}", timeout=60).stdout.strip()
+        assert host_state == "inactive", f"the host engine must stay outside any swarm (it is {host_state!r})"
 
 
 @pytest.fixture
