@@ -349,6 +349,7 @@ class Swarm:
         t0 = time.monotonic()
         cleanup_leftovers()
         atexit.register(self.down)  # a last resort; `with` / finally is the normal path
+        self._trap_sigterm()
         self._storage()
         self._network()
         self._daemons(timeout)
@@ -356,6 +357,23 @@ class Swarm:
         self.timings["swarm up"] = time.monotonic() - t0
         log(f"swarm of {self.size} nodes up in {self.timings['swarm up']:.1f}s "
             f"(manager {self.manager.ip}, workers {', '.join(w.ip for w in self.workers)})")
+
+    def _trap_sigterm(self) -> None:
+        """SIGTERM (a CI runner stopping the job, `timeout`) raises KeyboardInterrupt like Ctrl-C, so
+        the `finally` that tears the swarm down runs; the previous handler is back after `down`.
+        (A SIGKILL cannot be caught: the daemons then die with us (PR_SET_PDEATHSIG) and the next
+        run's `cleanup_leftovers` removes the rest.)"""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        previous = signal.getsignal(signal.SIGTERM)
+        if previous not in (signal.SIG_DFL, None):
+            return  # someone else handles SIGTERM: leave it to them
+
+        def interrupt(signum, frame):
+            raise KeyboardInterrupt(f"signal {signum}")
+
+        signal.signal(signal.SIGTERM, interrupt)
+        self._restore_sigterm = lambda: signal.signal(signal.SIGTERM, previous)
 
     def _storage(self) -> None:
         """The nodes' data roots on a tmpfs when memory allows (LARQL_SWARM_TMPFS=auto|1|0).
@@ -518,6 +536,9 @@ class Swarm:
             self.timings["cleanup"] = time.monotonic() - t2
             with contextlib.suppress(Exception):
                 atexit.unregister(self.down)
+            restore = getattr(self, "_restore_sigterm", None)
+            if restore is not None and threading.current_thread() is threading.main_thread():
+                restore()
         log(f"swarm torn down in {time.monotonic() - t0:.1f}s (daemons {self.timings.get('daemons stop', 0):.1f}s, "
             f"cleanup {self.timings.get('cleanup', 0):.1f}s)")
 
