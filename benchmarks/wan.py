@@ -146,6 +146,9 @@ def main() -> int:
         base = [decode(local, ids, args.tokens) for _ in range(args.rounds)]
         local_rate = max(b[1] for b in base)
         reference = base[0][2]
+        direct = build_remote(Vindex.open(paths["client"]), remote_args(router.url))
+        decode(direct, ids, 2)
+        direct_rate = max(decode(direct, ids, args.tokens)[1] for _ in range(args.rounds))
 
         rows = []
         for d in delays:
@@ -172,6 +175,8 @@ def main() -> int:
             f"{'TTFT':>8} {'round trips/token':>18}")
         say(f"{'local':>8} {'-':>6} {local_rate:7.1f} t/s {1.0:8.2f}x {1e3 / local_rate:8.1f} {'':>9} "
             f"{min(b[0] for b in base) * 1e3:6.0f}ms {'0 (one process)':>18}")
+        say(f"{'direct':>8} {'-':>6} {direct_rate:7.1f} t/s {direct_rate / local_rate:8.2f}x {1e3 / direct_rate:8.1f} "
+            f"{'':>9} {'':>8} {'(no proxy: its own cost)':>18}")
         for r in rows:
             model_ms = f"{(t0 + r['per_token'] * 2 * r['d'] / 1e3) * 1e3:8.1f}" if t0 else "       -"
             say(f"{r['d']:6.0f}ms {2 * r['d']:4.0f}ms {r['rate']:7.1f} t/s {r['rate'] / local_rate:8.2f}x "
@@ -185,6 +190,7 @@ def main() -> int:
             "attention output, so layers cannot be batched in decode) + 1 logits")
         say("")
         say("'model' is (ms/token at 0 ms) + round trips x RTT: a far client pays every round trip of every token.")
+        say(f"(load average during the run: {' '.join(f'{x:.1f}' for x in os.getloadavg())})")
     finally:
         counter.close()
         sup.stop_all()
