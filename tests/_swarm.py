@@ -696,13 +696,21 @@ class Swarm:
     def _driver(self, n: Node) -> str:
         return json.loads((n.root / "daemon.json").read_text())["storage-driver"]
 
+    def ensure_image(self, n: Node, ref: str) -> None:
+        """``ref`` on node ``n``: already there (loaded), or pulled (a registry image that only the
+        nodes running its tasks have pulled so far)."""
+        if n.docker("image", "inspect", ref, check=False, timeout=30).returncode != 0:
+            n.docker("pull", "-q", ref, timeout=1800)
+
     def tag_everywhere(self, source: str, target: str) -> None:
         for n in self.nodes:
+            self.ensure_image(n, source)
             n.docker("tag", source, target)
 
-    def build_everywhere(self, tag: str, dockerfile: str) -> None:
-        """Build a small image FROM one already on the nodes, on every node (no context, no pull)."""
+    def build_everywhere(self, tag: str, dockerfile: str, base: str) -> None:
+        """Build a small image FROM ``base`` on every node (no context; nothing pulled from outside)."""
         def build(n: Node) -> None:
+            self.ensure_image(n, base)
             n.docker("build", "-q", "-t", tag, "-", input=dockerfile, timeout=300,
                      env={"DOCKER_BUILDKIT": "0"})
 
@@ -817,7 +825,9 @@ class Swarm:
         healed = False
         for chain, flag in (("INPUT", "-s"), ("OUTPUT", "-d")):
             rule = [chain, flag, b.ip, "-m", "comment", "--comment", f"{PREFIX}-partition", "-j", "DROP"]
-            while a.in_ns("iptables", "-C", *rule, check=False).returncode == 0:  # bounded: one per insert
+            for _ in range(16):  # one rule per partition() call; never an endless loop
+                if a.in_ns("iptables", "-C", *rule, check=False).returncode != 0:
+                    break
                 a.in_ns("iptables", "-D", *rule)
                 healed = True
         if healed:

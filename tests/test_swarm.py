@@ -192,8 +192,18 @@ def grid(gemma_f16, reference, golden):
     swarm = sw.Swarm(3)
     try:
         swarm.up()
-        # save|load measured faster than a registry here (tests/_swarm.py: python -m tests._swarm measure)
-        swarm.distribute(spread, os.environ.get("LARQL_SWARM_IMAGES", "load"), manager_only=on_manager)
+        # How the images reach the nodes. "load" (default): docker save | docker load into every
+        # node before the deploy, measured ~3x faster here than a registry. "registry": the path a
+        # user takes, deploy.sh pushing to a registry the nodes pull from when tasks land on them.
+        method = os.environ.get("LARQL_SWARM_IMAGES", "load")
+        if method == "registry":
+            push_addr, pull_addr = swarm._ensure_registry()
+            # the feature probe below runs an image on the manager: it needs one there first
+            swarm._via_registry([dk.image("ffn")], [swarm.manager])
+            deploy_args = ["--registry", pull_addr, "--push-registry", push_addr]
+        else:
+            swarm.distribute(spread, "load", manager_only=on_manager)
+            deploy_args = ["--no-push"]
         features = _probe_features(swarm)
         log(f"image features: {features}")
         assert features["grid_key_file"] and features["multi_router"], (
@@ -201,9 +211,10 @@ def grid(gemma_f16, reference, golden):
             f"resolving to every router): rebuild the images (docker/build-images.sh); features {features}")
         features["routers"] = 2  # the stack's default (LARQL_ROUTER_REPLICAS)
         t1 = time.monotonic()
-        deploy_sh(swarm, "--no-push", "--wait", "900")
-        timings["deploy to converged"] = time.monotonic() - t1
+        deploy_sh(swarm, *deploy_args, "--wait", "1200")
+        timings[f"images via {method} + deploy to converged"] = time.monotonic() - t1
         g = Grid(swarm, features, gemma_f16, reference, timings)
+        g.deploy_args = deploy_args
         g.wait_full(240)
         timings["swarm up + images + deploy"] = time.monotonic() - t0
         timings.update(swarm.timings)
@@ -261,7 +272,7 @@ def test_stack_converges_spread_and_keeps_the_key_a_file(full_grid):
 
     # deploy.sh again: idempotent (the secret is kept, no task is replaced)
     before = {svc: sorted(t["ID"] for t in s.tasks(svc)) for svc in s.services(STACK)}
-    r = deploy_sh(s, "--no-push", "--wait", "120")
+    r = deploy_sh(s, *g.deploy_args, "--wait", "120")
     assert "larql_grid_key exists: kept" in r.stderr
     after = {svc: sorted(t["ID"] for t in s.tasks(svc)) for svc in s.services(STACK)}
     assert after == before
@@ -444,8 +455,9 @@ def _generate_until(g: Grid, done, limit_s: float) -> tuple[int, list[str]]:
 def test_rolling_update_of_a_shard_never_leaves_a_layer_uncovered(full_grid):
     g, s = full_grid, full_grid.swarm
     svc = FFN_SERVICES[0]
-    new_image = f"larql-ffn:{dk.TAG}-rolling"
-    s.tag_everywhere(dk.image("ffn"), new_image)
+    current = s.inspect_service(svc)["Spec"]["TaskTemplate"]["ContainerSpec"]["Image"]
+    new_image = f"larql-ffn:{dk.TAG}-rolling"  # the same content under a new name: a new release to Swarm
+    s.tag_everywhere(current, new_image)
     old_tasks = {t["ID"] for t in s.tasks(svc)}
     with CoverageWatch(g) as watch:
         s.manager.docker("service", "update", "--detach", "--no-resolve-image", "--image", new_image, svc)
@@ -466,7 +478,8 @@ def test_update_to_a_broken_image_rolls_back_by_itself(full_grid):
     before = s.inspect_service(svc)["Spec"]["TaskTemplate"]["ContainerSpec"]["Image"]
     broken = f"larql-ffn:{dk.TAG}-broken"
     # the shard's image with a process that dies at once: what a bad release looks like to Swarm
-    s.build_everywhere(broken, f"FROM {before}\nENTRYPOINT [\"sh\", \"-c\", \"echo broken release >&2; exit 3\"]\n")
+    s.build_everywhere(broken, f"FROM {before}\nENTRYPOINT [\"sh\", \"-c\", \"echo broken release >&2; exit 3\"]\n",
+                       base=before)
     old_tasks = {t["ID"] for t in s.tasks(svc)}
     with CoverageWatch(g) as watch:
         s.manager.docker("service", "update", "--detach", "--no-resolve-image", "--image", broken, svc)
