@@ -305,6 +305,10 @@ class Swarm:
     """``with Swarm() as s:`` three dockerds in namespaces, one swarm (n0 manager); always torn down."""
 
     size: int = 3
+    # True: a node never pulls for a task (DOCKER_SERVICE_PREFER_OFFLINE_IMAGE=1), images are loaded
+    # beforehand; without it every task of a plain local name stalls ~20 s asking Docker Hub.
+    # False: nodes pull from our registry when a task lands on them, as on real hosts.
+    offline: bool = True
     nodes: list[Node] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
     _registry: list[subprocess.Popen] = field(default_factory=list)
@@ -443,7 +447,8 @@ class Swarm:
         cfg_path = n.root / "daemon.json"
         cfg_path.write_text(json.dumps(self._daemon_config(n, driver), indent=1))
         env = {k: v for k, v in os.environ.items() if not k.startswith("DOCKER_")}
-        env["DOCKER_SERVICE_PREFER_OFFLINE_IMAGE"] = "1"
+        if self.offline:
+            env["DOCKER_SERVICE_PREFER_OFFLINE_IMAGE"] = "1"
         logf = open(n.log_path, "ab")
         try:
             # --config-file: the node must never read the host engine's /etc/docker/daemon.json
@@ -702,20 +707,44 @@ class Swarm:
         if n.docker("image", "inspect", ref, check=False, timeout=30).returncode != 0:
             n.docker("pull", "-q", ref, timeout=1800)
 
-    def tag_everywhere(self, source: str, target: str) -> None:
+    def _published(self, name: str) -> str | None:
+        """In registry mode, the registry name a derived image is pushed under (else None)."""
+        if self.offline:
+            return None
+        _, pull_addr = self._ensure_registry()
+        return f"{pull_addr}/{name}"
+
+    def tag_everywhere(self, source: str, target: str) -> str:
+        """Make ``target`` the same image as ``source`` wherever a task may need it; returns the
+        reference to deploy: ``target`` on every node (offline), or pushed to our registry."""
+        ref = self._published(target)
+        if ref:
+            m = self.manager
+            self.ensure_image(m, source)
+            m.docker("tag", source, ref)
+            m.docker("push", "-q", ref, timeout=600)
+            return ref
         for n in self.nodes:
             self.ensure_image(n, source)
             n.docker("tag", source, target)
+        return target
 
-    def build_everywhere(self, tag: str, dockerfile: str, base: str) -> None:
-        """Build a small image FROM ``base`` on every node (no context; nothing pulled from outside)."""
-        def build(n: Node) -> None:
+    def build_everywhere(self, tag: str, dockerfile: str, base: str) -> str:
+        """Build a small image FROM ``base`` (no context; nothing pulled from outside) wherever a task
+        may need it, like `tag_everywhere`; returns the reference to deploy."""
+        ref = self._published(tag)
+
+        def build(n: Node, name: str) -> None:
             self.ensure_image(n, base)
-            n.docker("build", "-q", "-t", tag, "-", input=dockerfile, timeout=300,
-                     env={"DOCKER_BUILDKIT": "0"})
+            n.docker("build", "-q", "-t", name, "-", input=dockerfile, timeout=300, env={"DOCKER_BUILDKIT": "0"})
 
+        if ref:
+            build(self.manager, ref)
+            self.manager.docker("push", "-q", ref, timeout=600)
+            return ref
         with cf.ThreadPoolExecutor(len(self.nodes)) as ex:
-            list(ex.map(build, self.nodes))
+            list(ex.map(build, self.nodes, [tag] * len(self.nodes)))
+        return tag
 
     # ---- stacks and services ----------------------------------------------------------------
 

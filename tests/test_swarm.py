@@ -189,13 +189,15 @@ def grid(gemma_f16, reference, golden):
         dk.build_images()  # CI builds them before the suite; this is for a machine that did not
     timings: dict[str, float] = {}
     t0 = time.monotonic()
-    swarm = sw.Swarm(3)
+    # How the images reach the nodes. "load" (default): docker save | docker load into every node
+    # before the deploy, measured ~3x faster here than a registry. "registry": the path a user
+    # takes, deploy.sh pushing to a registry the nodes pull from when tasks land on them.
+    method = os.environ.get("LARQL_SWARM_IMAGES", "load")
+    if method not in ("load", "registry"):
+        pytest.fail(f"LARQL_SWARM_IMAGES must be load or registry, not {method!r}")
+    swarm = sw.Swarm(3, offline=method == "load")
     try:
         swarm.up()
-        # How the images reach the nodes. "load" (default): docker save | docker load into every
-        # node before the deploy, measured ~3x faster here than a registry. "registry": the path a
-        # user takes, deploy.sh pushing to a registry the nodes pull from when tasks land on them.
-        method = os.environ.get("LARQL_SWARM_IMAGES", "load")
         if method == "registry":
             push_addr, pull_addr = swarm._ensure_registry()
             # the feature probe below runs an image on the manager: it needs one there first
@@ -456,8 +458,8 @@ def test_rolling_update_of_a_shard_never_leaves_a_layer_uncovered(full_grid):
     g, s = full_grid, full_grid.swarm
     svc = FFN_SERVICES[0]
     current = s.inspect_service(svc)["Spec"]["TaskTemplate"]["ContainerSpec"]["Image"]
-    new_image = f"larql-ffn:{dk.TAG}-rolling"  # the same content under a new name: a new release to Swarm
-    s.tag_everywhere(current, new_image)
+    # the same content under a new name: a new release to Swarm
+    new_image = s.tag_everywhere(current, f"larql-ffn:{dk.TAG}-rolling")
     old_tasks = {t["ID"] for t in s.tasks(svc)}
     with CoverageWatch(g) as watch:
         s.manager.docker("service", "update", "--detach", "--no-resolve-image", "--image", new_image, svc)
@@ -476,10 +478,10 @@ def test_update_to_a_broken_image_rolls_back_by_itself(full_grid):
     g, s = full_grid, full_grid.swarm
     svc = FFN_SERVICES[1]
     before = s.inspect_service(svc)["Spec"]["TaskTemplate"]["ContainerSpec"]["Image"]
-    broken = f"larql-ffn:{dk.TAG}-broken"
     # the shard's image with a process that dies at once: what a bad release looks like to Swarm
-    s.build_everywhere(broken, f"FROM {before}\nENTRYPOINT [\"sh\", \"-c\", \"echo broken release >&2; exit 3\"]\n",
-                       base=before)
+    broken = s.build_everywhere(f"larql-ffn:{dk.TAG}-broken",
+                                f"FROM {before}\nENTRYPOINT [\"sh\", \"-c\", \"echo broken release >&2; exit 3\"]\n",
+                                base=before)
     old_tasks = {t["ID"] for t in s.tasks(svc)}
     with CoverageWatch(g) as watch:
         s.manager.docker("service", "update", "--detach", "--no-resolve-image", "--image", broken, svc)
