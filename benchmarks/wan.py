@@ -19,7 +19,9 @@ so a reader can extrapolate to their own link.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -41,7 +43,6 @@ from larql_edge.format.vindex import Vindex  # noqa: E402
 from larql_edge.model.forward import Transformer  # noqa: E402
 from larql_edge.roles.client._build import build_remote, load_tokenizer  # noqa: E402
 from larql_edge.service import h1_sync  # noqa: E402
-from larql_edge.tools.delay_proxy import DelayProxy  # noqa: E402
 from larql_edge.tools.grid.cli import role_vindexes  # noqa: E402
 from larql_edge.tools.grid.supervisor import Supervisor, pick_ports, role_env  # noqa: E402
 
@@ -79,6 +80,25 @@ def decode(model: Transformer, ids: list[int], tokens: int) -> tuple[float, floa
         logits = model.next_logits([out[-1]], cache)
         out.append(int(np.argmax(logits)))
     return ttft, tokens / (time.perf_counter() - t1), out
+
+
+@contextlib.contextmanager
+def proxy_process(host: str, target_port: int, delay_ms: float, jitter_ms: float):
+    """The delay proxy as a process of its own (`python -m larql_edge.tools.delay_proxy`), as a
+    network hop is: in this process it would share the GIL with the client's own math."""
+    (port,) = pick_ports(host, [19700])
+    p = subprocess.Popen([sys.executable, "-m", "larql_edge.tools.delay_proxy", "--listen", f"{host}:{port}",
+                          "--target", f"{host}:{target_port}", "--delay-ms", str(delay_ms), "--jitter-ms",
+                          str(jitter_ms), "--seed", "1"], stderr=subprocess.PIPE, text=True,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        line = p.stderr.readline()  # printed once it listens
+        if "delay_proxy:" not in line:
+            raise RuntimeError(f"delay proxy did not start: {line}{p.stderr.read() if p.poll() is not None else ''}")
+        yield f"http://{host}:{port}"
+    finally:
+        p.terminate()
+        p.wait(10)
 
 
 def remote_args(url: str):
@@ -139,8 +159,8 @@ def main() -> int:
             f"{len(ids)}-token prompt, best of {args.rounds} rounds")
         say(f"  machine: {os.cpu_count()} cores (shared), every process 1 BLAS thread; grid on loopback "
             f"(router + embed + 2 shards {', '.join(str(r) for r in ranges)})")
-        say(f"  the delay proxy sits between the client and the router: D ms added each way "
-            f"(jitter {args.jitter_ms:g} ms); router <-> shards stay on loopback")
+        say(f"  the delay proxy (its own process) sits between the client and the router: D ms added each "
+            f"way (jitter {args.jitter_ms:g} ms); router <-> shards stay on loopback")
         say("")
 
         base = [decode(local, ids, args.tokens) for _ in range(args.rounds)]
@@ -152,8 +172,8 @@ def main() -> int:
 
         rows = []
         for d in delays:
-            with DelayProxy((host, 0), (host, rp), delay_ms=d, jitter_ms=args.jitter_ms, seed=1).running() as proxy:
-                model = build_remote(Vindex.open(paths["client"]), remote_args(proxy.url))
+            with proxy_process(host, rp, d, args.jitter_ms) as proxy_url:
+                model = build_remote(Vindex.open(paths["client"]), remote_args(proxy_url))
                 decode(model, ids, 2)  # warm: connections open, caches filled
                 results = []
                 for _ in range(args.rounds):
