@@ -513,3 +513,22 @@ def test_kill_one_of_two_routers_mid_generation(full_grid):
     assert out == g.reference["greedy32"]
     # Swarm starts a new router task; the members learn it by resolving `router` again
     g.wait_full(180)
+
+
+# ---- deploy.sh on its own ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("args, message", [
+    (["--bogus"], "unknown argument: --bogus"),
+    (["--wait", "soon"], "--wait must be a number of seconds"),
+    (["--roles", "router gpu"], "unknown role 'gpu'"),
+    (["--manager", "unix:///nonexistent/docker.sock"], "no Docker engine at unix:///nonexistent/docker.sock"),
+    # the host engine stays outside any swarm (tests/_swarm.py never makes it join one)
+    ([], "is not a swarm manager"),
+])
+def test_deploy_sh_says_what_is_wrong(args, message):
+    dk.require_engine()
+    env = {k: v for k, v in os.environ.items() if k != "DOCKER_HOST"}
+    r = subprocess.run(["bash", str(DEPLOY), *args], capture_output=True, text=True, timeout=60, env=env,
+                       stdin=subprocess.DEVNULL)
+    assert r.returncode == 1 and message in r.stderr, r.stderr
+    assert r.stderr.count("\n") <= 3, r.stderr  # a line, not the usage text

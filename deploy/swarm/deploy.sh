@@ -95,7 +95,7 @@ run() { if [[ $DRY == 1 ]]; then echo "+ $*" >&2; else "$@"; fi; }
 
 command -v docker >/dev/null || die "docker CLI not found"
 state=$(dm info --format '{{.Swarm.LocalNodeState}} {{.Swarm.ControlAvailable}}' 2>/dev/null) \
-  || die "no Docker engine at ${MANAGER:-the CLI's default} (docker info failed)"
+  || die "no Docker engine at ${MANAGER:-the default engine} (docker info failed)"
 [[ $state == "active true" ]] || die "${MANAGER:-this engine} is not a swarm manager (state: $state); run \`docker swarm init\` or point --manager at a manager"
 log "swarm manager: ${MANAGER:-default engine} ($(dm info --format '{{.Swarm.Nodes}}') nodes)"
 
