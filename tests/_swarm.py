@@ -624,7 +624,7 @@ class Swarm:
                 t.join(600)
         if save.wait(600) != 0:
             raise CommandError(f"docker save failed: {save.stderr.read().decode()[-2000:]}")
-        for n, p in zip(nodes, loads):
+        for n, p in zip(nodes, loads, strict=True):
             err = p.stderr.read() if p.stderr else b""
             if p.wait(600) != 0:
                 raise CommandError(f"docker load on {n.name} failed: {err.decode()[-2000:]}")
