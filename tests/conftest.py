@@ -100,12 +100,12 @@ def golden():
     return load
 
 
-def _real_vindex(alias: str, dtype: str) -> Path:
+def _real_vindex(alias: str, dtype: str, quant: str = "none") -> Path:
     from larql_edge.errors import SourceError
     from larql_edge.tools.slicer.cache import cached_vindex
 
     try:
-        return cached_vindex(alias, level="all", dtype=dtype, log=lambda m: None)
+        return cached_vindex(alias, level="all", dtype=dtype, quant=quant, log=lambda m: None)
     except SourceError as e:
         pytest.skip(f"real model unavailable: {e}")  # a failure under CI (see the module docstring)
 
@@ -128,6 +128,12 @@ def smol_f32() -> Path:
 @pytest.fixture(scope="session")
 def smol_f16() -> Path:
     return _real_vindex("smollm2-135m", "f16")
+
+
+@pytest.fixture(scope="session")
+def real_quantized():
+    """``real_quantized(alias, quant)``: a real model's q4k or gguf vindex, extracted once and cached."""
+    return lambda alias, quant: _real_vindex(alias, "f16", quant)
 
 
 @pytest.fixture(scope="session")

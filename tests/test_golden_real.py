@@ -1,8 +1,8 @@
 """The local forward on the real models against an independent implementation's outputs.
 
 Golden outputs: Hugging Face transformers 5.x, float32, loading the same GGUF files
-(tests/data/golden, copied from the design's shared/golden). The vindexes are f32, so the
-comparison measures our math, not storage rounding.
+(tests/data/golden, copied from the design's shared/golden). The f32 vindexes measure our math,
+not storage rounding; the quantized ones (q4k, gguf) what their storage costs, on the compact kernels.
 """
 
 from __future__ import annotations
@@ -64,3 +64,50 @@ def test_embedding_rows(request, golden, fixture):
         np.testing.assert_allclose(scaled[:8], row["scaled_first8"], atol=1e-3, rtol=0)
         assert float(np.linalg.norm(raw)) == pytest.approx(row["raw_l2"], abs=1e-3)
         assert float(np.linalg.norm(scaled)) == pytest.approx(row["scaled_l2"], abs=1e-3 * max(1, row["scaled_l2"]))
+
+
+# -- quantized vindexes --------------------------------------------------------------------------
+
+QUANTIZED = [("gemma3-270m", "gemma_f16", "gguf"), ("smollm2-135m", "smol_f16", "gguf"),
+             ("gemma3-270m", "gemma_f16", "q4k"), ("smollm2-135m", "smol_f16", "q4k")]
+
+
+def _worst_delta(model: Transformer, g: dict) -> tuple[float, list[np.ndarray]]:
+    """max |log-prob - reference| over each prompt's reference top 10; and each prompt's log-probs."""
+    from larql_edge.model import ops
+
+    lps = [ops.log_softmax(model.next_logits(p["input_ids"])) for p in g["prompts"]]
+    worst = max(float(abs(lp[i] - w)) for lp, p in zip(lps, g["prompts"], strict=True)
+                for i, w in zip(p["top10_ids"], p["top10_logprobs"], strict=True))
+    return worst, lps
+
+
+def _misordered(lp: np.ndarray, p: dict, margin: float) -> list[tuple[int, int]]:
+    """Pairs of the reference top 10 that come out in the other order although the reference puts
+    more than ``margin`` between them (closer pairs are near-ties the comparison cannot settle)."""
+    ids, ref = p["top10_ids"], p["top10_logprobs"]
+    return [(ids[i], ids[j]) for i in range(10) for j in range(i + 1, 10)
+            if ref[i] - ref[j] > margin and not lp[ids[i]] > lp[ids[j]]]
+
+
+@pytest.mark.parametrize("model,f16,quant", QUANTIZED, ids=[f"{m}-{q}" for m, _, q in QUANTIZED])
+def test_quantized_vindex_against_the_reference(request, golden, real_quantized, model, f16, quant):
+    """gguf computes on exactly the GGUF's weights: at least as close to the reference as the f16
+    vindex, the same top-10 order, the same greedy continuation. q4k is LARQL's layout, whose Q4_K/Q6_K
+    slots requantize the GGUF's Q5_0/Q8_0/Q4_1 tensors: its order must hold wherever the reference's
+    margin exceeds twice its own error, and that error is reported (DESIGN.md, "Quantized vindexes")."""
+    g = golden(model)
+    m = Transformer.local(real_quantized(model, quant))  # the default backend: compact kernels
+    worst, lps = _worst_delta(m, g)
+    f16_worst, _ = _worst_delta(Transformer.local(request.getfixturevalue(f16)), g)
+    print(f"{model} {quant}: max |d log-prob| {worst:.4f} (f16 vindex {f16_worst:.4f})")
+    for lp, p in zip(lps, g["prompts"], strict=True):
+        assert not _misordered(lp, p, 2 * worst), (p["prompt"], _misordered(lp, p, 2 * worst))
+    if quant == "gguf":
+        assert worst <= f16_worst, (worst, f16_worst)
+        for p in g["prompts"]:
+            assert [int(i) for i in np.argsort(-lps[g["prompts"].index(p)])[:10]] == p["top10_ids"], p["prompt"]
+            if "greedy_ids" in p:
+                assert list(m.generate(p["input_ids"], 16, temperature=0.0, stop_ids=[])) == p["greedy_ids"]
+    else:
+        assert worst < 2.0, worst  # requantized 4-bit weights: near the model, not on it
