@@ -59,27 +59,26 @@ def _gone(pid: int) -> bool:
         return True
 
 
-@pytest.mark.timeout(300)
-@pytest.mark.multiprocess
-def test_grid_up_serves_and_ctrl_c_stops_everything(tiny_models, tmp_path):
+def _up_generate_stop(argv: list[str], local_vindex, n_pids: int, ranges: list[str], tmp_path, timeout: float) -> None:
+    """Start `larql-grid up`, run the command it prints, compare with the local forward on
+    ``local_vindex``, then Ctrl-C and check every process it started is gone."""
     ports = [free_port() for _ in range(3)]
-    argv = ["larql-grid", "up", "--vindex", str(tiny_models["llama"]), "--shards", "2", "--replicas", "2",
-            "--router-port", str(ports[0]), "--embed-port", str(ports[1]), "--ffn-port", str(ports[2]),
+    argv = [*argv, "--router-port", str(ports[0]), "--embed-port", str(ports[1]), "--ffn-port", str(ports[2]),
             "--log-dir", str(tmp_path / "logs")]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=server_env(),
                             start_new_session=True, stdin=subprocess.DEVNULL)
     try:
         q = _lines(proc)
-        text = _read_until(q, "Ctrl-C stops the grid.", timeout=180)
+        text = _read_until(q, "Ctrl-C stops the grid.", timeout=timeout)
         pids = [int(p) for p in re.findall(r"pid (\d+)", text)]
-        assert len(pids) == 1 + 1 + 4, text  # router, embed, 2 ranges x 2 replicas
-        assert "layers 0-0" in text and "layers 1-1" in text
+        assert len(pids) == n_pids, text
+        assert all(f"layers {r}" in text for r in ranges), text
         cmd = next(line.strip() for line in text.splitlines() if line.strip().startswith("larql generate"))
         args = shlex.split(cmd)[1:]
         args[args.index("--max-tokens") + 1] = "4"
         r = larql(*args, "--json")
         assert r.returncode == 0, r.stderr
-        local = larql("generate", "--vindex", str(tiny_models["llama"]), "--prompt", "The capital of France is",
+        local = larql("generate", "--vindex", str(local_vindex), "--prompt", "The capital of France is",
                       "--max-tokens", "4", "--json")
         assert json.loads(r.stdout)["generated_ids"] == json.loads(local.stdout)["generated_ids"]
         assert all(not _gone(p) for p in pids)
@@ -100,6 +99,23 @@ def test_grid_up_serves_and_ctrl_c_stops_everything(tiny_models, tmp_path):
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=10)
         proc.stdout.close()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.multiprocess
+def test_grid_up_serves_and_ctrl_c_stops_everything(tiny_models, tmp_path):
+    argv = ["larql-grid", "up", "--vindex", str(tiny_models["llama"]), "--shards", "2", "--replicas", "2"]
+    _up_generate_stop(argv, tiny_models["llama"], 1 + 1 + 4, ["0-0", "1-1"], tmp_path, timeout=180)  # 2 ranges x 2
+
+
+@pytest.mark.timeout(1200)
+@pytest.mark.multiprocess
+@pytest.mark.real_model
+def test_grid_up_quant_q4k_serves_the_q4k_vindex(real_quantized, tmp_path):
+    """`larql-grid up --quant q4k`: every role runs from its slice of LARQL's q4k layout and the grid
+    generates what the local forward generates on that vindex."""
+    argv = ["larql-grid", "up", "--model", "smollm2-135m", "--quant", "q4k", "--shards", "2"]
+    _up_generate_stop(argv, real_quantized("smollm2-135m", "q4k"), 1 + 1 + 2, ["0-14", "15-29"], tmp_path, timeout=900)
 
 
 def test_grid_up_rejects_bad_counts(tiny_models):

@@ -1,6 +1,6 @@
 """larql-grid up: the whole three-tier grid on this machine, as local processes (no Docker).
 
-    larql-grid up [--model gemma3-270m] [--shards 2] [--replicas 1]
+    larql-grid up [--model gemma3-270m] [--quant none|q4k|gguf] [--shards 2] [--replicas 1]
 
 Builds the vindex on first use (cached), starts the embed server, the FFN shards and the router,
 waits until every layer is served, prints the URLs and a ready-to-paste ``larql generate``
@@ -21,6 +21,7 @@ from pathlib import Path
 from larql_edge.config import Flags
 from larql_edge.console import run_command
 from larql_edge.errors import LarqlError
+from larql_edge.format.index import QUANTS
 from larql_edge.format.layers import split_even
 from larql_edge.format.presets import ROLE_PRESETS
 from larql_edge.tools.grid.supervisor import Supervisor, pick_ports, role_env
@@ -28,8 +29,9 @@ from larql_edge.tools.grid.supervisor import Supervisor, pick_ports, role_env
 ROLES = ("embed", "ffn", "client")
 
 
-def role_vindexes(model: str, vindex: str | None, log=print) -> dict[str, Path]:
-    """The vindex folder each role runs from: its preset slice of the cached extraction.
+def role_vindexes(model: str, vindex: str | None, log=print, quant: str = "none") -> dict[str, Path]:
+    """The vindex folder each role runs from: its preset slice of the cached extraction (``quant``:
+    a float f16 vindex, LARQL's q4k layout, or larql-edge's gguf one).
 
     A ``--vindex`` given by the user is used as it is for every role (each loads only what it needs).
     """
@@ -38,8 +40,9 @@ def role_vindexes(model: str, vindex: str | None, log=print) -> dict[str, Path]:
         return {role: path for role in ROLES}
     from larql_edge.tools.slicer.cache import cached_slice, cached_vindex
 
-    log(f"larql-grid: preparing the {model} vindex and its role slices (built once, then cached)...")
-    full = cached_vindex(model, level="all", dtype="f16", progress=True, log=log)
+    what = "" if quant == "none" else f" {quant}"
+    log(f"larql-grid: preparing the {model}{what} vindex and its role slices (built once, then cached)...")
+    full = cached_vindex(model, level="all", dtype="f16", quant=quant, progress=True, log=log)
     return {role: cached_slice(full, ROLE_PRESETS[role]) for role in ROLES}
 
 
@@ -52,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = lambda flag: "LARQL_GRID_" + flag.lstrip("-").replace("-", "_").upper()  # noqa: E731
     f.add("--model", default="gemma3-270m", env=g("--model"), help="packaged model alias or GGUF path to build the vindex from")
     f.add("--vindex", default=None, env=g("--vindex"), help="use this vindex folder for every role instead of building one")
+    f.choice("--quant", choices=QUANTS, default="none", env=g("--quant"),
+             help="the vindex built from --model: none (f16), q4k (LARQL's Q4_K/Q6_K layout) or gguf "
+                  "(every tensor in its GGUF block type); roles compute on it as stored")
     f.add("--shards", type=int, default=2, env=g("--shards"), help="FFN shards (contiguous layer ranges)")
     f.add("--replicas", type=int, default=1, env=g("--replicas"), help="processes per layer range")
     f.add("--host", default="127.0.0.1", env=g("--host"), help="address every role listens on")
@@ -70,7 +76,7 @@ def up_command(args: argparse.Namespace) -> int:
     if args.shards < 1 or args.replicas < 1:
         raise LarqlError("--shards and --replicas must be at least 1")
     t0 = time.monotonic()
-    paths = role_vindexes(args.model, args.vindex)
+    paths = role_vindexes(args.model, args.vindex, quant=args.quant)
     from larql_edge.format.vindex import Vindex
 
     n_layers = Vindex.open(paths["ffn"]).num_layers
