@@ -85,3 +85,15 @@ def test_every_role_serves_a_larql_vindex(fixture):
 
 def ew_type() -> str:
     return fw.CONTENT_TYPE
+
+
+def test_the_router_stats_carry_what_larqls_client_reads(fixture):
+    """`larql run --ffn ROUTER` reads hidden_size from /v1/stats ("stats missing hidden_size" before);
+    the model fields LARQL's own servers report come along, learned from the members' stats."""
+    v = Vindex.open(fixture["vindex"])
+    with inproc.grid(fixture["vindex"], ["0-0", "1-1"]) as g:
+        s = httpx.get(g["router"].url + "/v1/stats").json()
+    assert s["hidden_size"] == v.hidden_size and isinstance(s["hidden_size"], int)
+    assert s["layers"] == s["num_layers"] == v.num_layers
+    assert s["family"] == fixture["family"] and s["vocab_size"] == v.vocab_size
+    assert s["intermediate_size"] == v.index.intermediate_size

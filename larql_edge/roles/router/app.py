@@ -15,7 +15,7 @@ from larql_edge.service.identity import rss_bytes
 
 from .embed_proxy import bp as embed_bp
 from .grid_routes import bp as grid_bp
-from .registry import Registry
+from .registry import Registry, model_facts
 from .upstream import Upstream
 from .walk import bp as walk_bp
 
@@ -58,7 +58,9 @@ def create_app(registry: Registry, grid_key: str, limits: Limits | None = None, 
 
     def stats(request: Request) -> dict:
         v = registry.view()
-        return {"mode": "router", "model": v["model"], "num_layers": v["num_layers"], "hidden_size": v["hidden_size"],
+        # LARQL's client reads hidden_size (and its servers' stats carry layers, family, vocab_size).
+        return {"mode": "router", "model": v["model"], "num_layers": v["num_layers"], "layers": v["num_layers"],
+                "hidden_size": v["hidden_size"], **v["facts"],
                 "members": len(v["members"]), "gaps": v["gaps"], "complete": v["complete"],
                 "inflight": upstream.inflight, "memory_mb": round(rss_bytes() / 2**20, 1), "limits": limits.as_json()}
 
@@ -134,6 +136,7 @@ async def _probe_static(app: Sanic, registry: Registry) -> None:
         m.model = str(s.get("model") or m.model)
         m.num_layers = s.get("num_layers") or m.num_layers
         m.hidden_size = s.get("hidden_size") or m.hidden_size
+        m.facts = model_facts(s) or m.facts
         m.rss_bytes = int((s.get("memory_mb") or 0) * 2**20)
         if m.consecutive_failures:
             m.consecutive_failures, m.down_until = 0, 0.0

@@ -20,6 +20,8 @@ from larql_edge.errors import BadRequest, Conflict, NotFound, TransportError, Un
 from larql_edge.service import JSON_KIND, body_kind, parse_json, read_body
 from larql_edge.wire.grid import HEARTBEAT, JOIN, LEAVE, Announce, Load
 
+from .registry import model_facts
+
 log = logging.getLogger("larql.router")
 
 bp = Blueprint("grid")
@@ -42,8 +44,9 @@ async def _body(request: Request, what: str) -> object:
     return parse_json(await read_body(request, request.app.ctx.limits.max_grid_body))
 
 
-async def _probe(request: Request, a: Announce) -> None:
-    """The announced URL must answer as the member it announces (model, width, layers)."""
+async def _probe(request: Request, a: Announce) -> dict[str, str | int]:
+    """The announced URL must answer as the member it announces (model, width, layers); returns the
+    model facts its stats report (`registry.MODEL_FACTS`)."""
     pool = request.app.ctx.upstream.pool
     try:
         health = await pool.request("GET", a.public_url + "/v1/health", timeout=PROBE_TIMEOUT_S, max_body=64 << 10)
@@ -64,6 +67,7 @@ async def _probe(request: Request, a: Announce) -> None:
     wrong = [f"{k} {s.get(k)!r} (announced {v!r})" for k, v in claims.items() if v is not None and s.get(k) != v]
     if wrong:
         raise Conflict(f"{a.public_url} is not the member announced: it reports {', '.join(wrong)}")
+    return model_facts(s)
 
 
 @bp.post(JOIN, name="join", stream=True)
@@ -71,8 +75,8 @@ async def join(request: Request) -> HTTPResponse:
     registry = request.app.ctx.registry
     a = Announce.from_json(await _body(request, "join"))
     registry.check_join(a)  # cheap refusals before the probe
-    await _probe(request, a)
-    m, token = registry.join(a)
+    facts = await _probe(request, a)
+    m, token = registry.join(a, facts)
     request.app.ctx.metrics.joins.labels("join", "ok").inc()
     where = f"layers {m.layers}" if m.layers is not None else "embed"
     log.info("member %s joined: %s %s at %s (model %s)", m.id, m.capability, where, m.url, m.model)

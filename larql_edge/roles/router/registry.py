@@ -21,6 +21,16 @@ from larql_edge.format.layers import LayerRange, gaps
 from larql_edge.wire.grid import Announce, Load
 
 
+def model_facts(stats: dict) -> dict[str, str | int]:
+    """The MODEL_FACTS of a member's /v1/stats reply (anything malformed is left out)."""
+    out: dict[str, str | int] = {}
+    for k in MODEL_FACTS:
+        v = stats.get(k)
+        if isinstance(v, str) and 0 < len(v) <= 64 or isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            out[k] = v
+    return out
+
+
 def _hash(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
@@ -28,6 +38,9 @@ def _hash(token: str) -> str:
 COOLDOWN_FIRST_S = 0.5
 COOLDOWN_MAX_S = 8.0
 EMA = 0.2
+# Model facts a member's /v1/stats reports that LARQL's client reads from a remote's /v1/stats
+# (besides hidden_size): the router learns them at the join probe and reports them as the grid's.
+MODEL_FACTS = ("family", "vocab_size", "intermediate_size")
 
 
 @dataclass
@@ -53,6 +66,7 @@ class Member:
     consecutive_failures: int = 0
     down_until: float = 0.0
     rtt_ms: float | None = None
+    facts: dict[str, str | int] = field(default_factory=dict)  # MODEL_FACTS the member's stats reported
     token_hash: str = field(default="", repr=False)  # sha256 of the member token (never the token)
 
     def serves(self, layer: int) -> bool:
@@ -128,7 +142,7 @@ class Registry:
                            f"once its old entry is evicted ({self.evict_after:g} s without heartbeats)")
         self._check_fits(a, ignore=None)
 
-    def join(self, a: Announce) -> tuple[Member, str]:
+    def join(self, a: Announce, facts: dict[str, str | int] | None = None) -> tuple[Member, str]:
         """Add a member; returns it and its token (what its heartbeats and leave must present)."""
         self.check_join(a)
         now = self.clock()
@@ -138,7 +152,7 @@ class Registry:
             num_layers=a.num_layers, hidden_size=a.hidden_size, vindex_hash=a.vindex_hash,
             layers=LayerRange(a.layer_start, a.layer_end)
             if a.capability == "ffn" and a.layer_start is not None and a.layer_end is not None else None,
-            joined_at=now, last_seen=now, token_hash=_hash(token),
+            joined_at=now, last_seen=now, token_hash=_hash(token), facts=dict(facts or {}),
         )
         self.members[m.id] = m
         return m, token
@@ -265,8 +279,13 @@ class Registry:
         holes = [str(g) for g in gaps({layer for layer, c in replicas.items() if c > 0}, n)] if n is not None else []
         models = sorted({m.model for m in self.members.values() if m.model})
         embeds = [m for m in self.members.values() if m.capability == "embed" and m.available(now)]
+        facts: dict[str, str | int] = {}
+        for m in self.members.values():
+            for k, v in m.facts.items():
+                facts.setdefault(k, v)
         return {
             "model": models[0] if len(models) == 1 else (models or None),
+            "facts": facts,
             "num_layers": n,
             "hidden_size": self.hidden_size,
             "members": [m.view(now) for m in sorted(self.members.values(), key=lambda m: (m.capability, m.url))],
