@@ -1,6 +1,9 @@
 """Numbers in JSON bodies, checked strictly: JSON numbers only (no strings, no booleans, no null),
 finite, within float32 range, in the shape asked for. Every JSON route with numeric arrays reads
-them through here, so the JSON and binary wires refuse the same inputs."""
+them through here, so the JSON and binary wires refuse the same inputs.
+
+An integer is a JSON number without a fractional part, written ``3`` or ``3.0`` alike (JSON Schema's
+``integer``, which the OpenAPI documents use: JSON itself has one number type)."""
 
 from __future__ import annotations
 
@@ -21,6 +24,30 @@ def _row(values: Any, what: str) -> list:
             shown = "a boolean" if isinstance(v, bool) else type(v).__name__
             raise WireError(f"{what} must hold numbers only (found {shown})")
     return values
+
+
+def json_int(value: Any) -> int | None:
+    """``value`` as an int when it is a JSON integer (``3`` or ``3.0``), else None (a fraction, a
+    string, a boolean, null...)."""
+    if type(value) is int:  # bool is an int subclass, so type() and not isinstance()
+        return value
+    if type(value) is float and value.is_integer():
+        return int(value)
+    return None
+
+
+def int_list(values: Any, what: str) -> list[int]:
+    """A JSON list of integers (``json_int``) as Python ints; anything else in it is a `WireError`."""
+    if not isinstance(values, list):
+        raise WireError(f"{what} must be a list of integers")
+    out = []
+    for v in values:
+        i = json_int(v)
+        if i is None:
+            shown = "a boolean" if isinstance(v, bool) else "null" if v is None else repr(v)[:40]
+            raise WireError(f"{what} must hold integers only (found {shown})")
+        out.append(i)
+    return out
 
 
 def finite_f32(x: np.ndarray, what: str) -> np.ndarray:

@@ -24,6 +24,7 @@ from larql_edge.roles.embed.routes._common import both, model_of
 from larql_edge.service import BINARY_KIND, body_kind, json_object
 from larql_edge.wire import BINARY
 from larql_edge.wire import embed as wire
+from larql_edge.wire.numbers import json_int
 
 bp = Blueprint("logits")
 
@@ -45,6 +46,15 @@ def _top_k(model, k: int, temperature: float, row: np.ndarray) -> list[dict]:
     return out
 
 
+def _json_number(params: dict, name: str, integer: bool):
+    """A JSON body's option: a JSON number (an integer for top_k); never a string or null."""
+    value = params[name]
+    number = json_int(value) if integer else value if type(value) in (int, float) else None
+    if number is None:
+        raise BadRequest(f"{name} must be {'an integer' if integer else 'a number'}")
+    return number
+
+
 def _raw(temperature: float, row: np.ndarray) -> bytes:
     return wire.encode_logits_response(_scaled(row, temperature))
 
@@ -62,6 +72,9 @@ async def logits(request, model_id: str | None = None):
         if "residual" not in params:
             raise BadRequest(f'missing "residual" (a list of {m.hidden_size} numbers)')
         x = rq.residual(params["residual"], m.hidden_size)
+        # The body's options; the query's (what binary requests use) when the body has none.
+        params = {k: _json_number(params, k, integer=k == "top_k") if k in params else request.args.get(k)
+                  for k in ("top_k", "temperature")}
     max_k = min(m.vocab_size, request.app.ctx.cfg.limits.max_top_k)
     k = rq.int_param(params.get("top_k"), "top_k", 5, 1, max_k)
     temperature = rq.temperature_param(params.get("temperature"))

@@ -22,6 +22,14 @@ def _check_text(text, limit: int) -> str:
     return text
 
 
+def _flag(obj: dict, name: str) -> bool:
+    """A JSON body's boolean option: true or false when present (query strings use rq.bool_param)."""
+    value = obj.get(name, False)
+    if not isinstance(value, bool):
+        raise BadRequest(f"{name} must be true or false")
+    return value
+
+
 def _ids(m, ids: np.ndarray, limit: int) -> list[int]:
     if ids.size == 0:
         return []
@@ -31,7 +39,7 @@ def _ids(m, ids: np.ndarray, limit: int) -> list[int]:
 @both(bp, "/token/encode", ["GET"], "encode")
 async def encode(request, model_id: str | None = None):
     m = model_of(request, model_id)
-    text = request.args.get("text")
+    text = request.get_args(keep_blank_values=True).get("text")  # ?text= is the empty text
     if text is None:
         raise BadRequest("text is required, e.g. ?text=Paris")
     text = _check_text(text, request.app.ctx.cfg.limits.max_text_chars)
@@ -45,7 +53,7 @@ async def encode_post(request, model_id: str | None = None):
     body_kind(request, allowed=(JSON_KIND,))
     obj = json_object(request)
     limit = request.app.ctx.cfg.limits.max_text_chars
-    special = rq.bool_param(obj.get("add_special_tokens"), "add_special_tokens")
+    special = _flag(obj, "add_special_tokens")
     if "texts" in obj:
         texts = obj["texts"]
         if not isinstance(texts, list):
@@ -73,7 +81,7 @@ async def decode_post(request, model_id: str | None = None):
     body_kind(request, allowed=(JSON_KIND,))
     obj = json_object(request)
     limit = request.app.ctx.cfg.limits.max_tokens
-    skip = rq.bool_param(obj.get("skip_special_tokens"), "skip_special_tokens")
+    skip = _flag(obj, "skip_special_tokens")
     ids = obj.get("ids")
     if not isinstance(ids, list):
         raise BadRequest('send {"ids": [...]} or {"ids": [[...], ...]}')
