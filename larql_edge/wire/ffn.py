@@ -286,6 +286,8 @@ def request_from_json(obj: object, hidden: int) -> FfnRequest:
     value = obj["residual"]
     if isinstance(value, list) and value and isinstance(value[0], list):
         x = float_rows(value, '"residual"', hidden)
+        if "seq_len" in obj and json_int(obj["seq_len"]) != x.shape[0]:  # optional, but never null or wrong
+            raise WireError(f'"seq_len" {str(obj["seq_len"])[:20]} is not the {x.shape[0]} rows of "residual"')
     else:
         flat = float_vector(value, '"residual"')
         seq = json_int(obj.get("seq_len", flat.size // hidden if hidden else 0))

@@ -14,6 +14,10 @@ import numpy as np
 from larql_edge.errors import WireError
 
 _NUMBER = (int, float)
+# The largest magnitude a residual value may have, on every wire (JSON and binary). Real residuals are
+# many orders below it; above it an FFN (about quadratic in its input) or a norm (x * x) overflows
+# float32, and a reply would carry Inf or NaN.
+MAX_ABS_VALUE = 1e12
 
 
 def _row(values: Any, what: str) -> list:
@@ -51,9 +55,20 @@ def int_list(values: Any, what: str) -> list[int]:
 
 
 def finite_f32(x: np.ndarray, what: str) -> np.ndarray:
+    """``x`` (float32 or float64) when every value is finite and at most `MAX_ABS_VALUE` in magnitude."""
     if not np.isfinite(x).all():
         raise WireError(f"{what} contains NaN or Inf (or a value beyond float32 range)")
+    if x.size and float(np.abs(x).max()) > MAX_ABS_VALUE:
+        raise WireError(f"{what} holds a value beyond +-{MAX_ABS_VALUE:g}: no residual is that large, and the "
+                        "FFN and norms of such values overflow float32 (Inf or NaN out)")
     return x
+
+
+def _float64(values: list, what: str) -> np.ndarray:
+    try:
+        return np.asarray(values, dtype=np.float64)
+    except OverflowError:  # a JSON integer beyond float64 (10**400)
+        raise WireError(f"{what} holds a value beyond +-{MAX_ABS_VALUE:g}") from None
 
 
 def float_vector(values: Any, what: str, length: int | None = None) -> np.ndarray:
@@ -61,9 +76,7 @@ def float_vector(values: Any, what: str, length: int | None = None) -> np.ndarra
     row = _row(values, what)
     if length is not None and len(row) != length:
         raise WireError(f"{what} has {len(row)} values; expected {length}")
-    with np.errstate(over="ignore"):  # beyond float32 range becomes inf, refused just below
-        x = np.asarray(row, dtype=np.float64).astype(np.float32)
-    return finite_f32(x, what)
+    return finite_f32(_float64(row, what), what).astype(np.float32)  # bounded as sent, before rounding
 
 
 def float_rows(values: Any, what: str, width: int) -> np.ndarray:
@@ -74,6 +87,4 @@ def float_rows(values: Any, what: str, width: int) -> np.ndarray:
         _row(r, what)
         if len(r) != width:
             raise WireError(f"{what}: a row has {len(r)} values; expected {width}")
-    with np.errstate(over="ignore"):
-        x = np.asarray(values, dtype=np.float64).astype(np.float32)
-    return finite_f32(x, what)
+    return finite_f32(_float64(values, what), what).astype(np.float32)

@@ -16,6 +16,7 @@ import numpy as np
 
 from larql_edge.errors import BadRequest, NotAcceptable, PayloadTooLarge
 from larql_edge.wire import BINARY, JSON
+from larql_edge.wire.embed import MIN_TEMPERATURE
 from larql_edge.wire.numbers import finite_f32, float_vector, json_int
 
 _DIGITS = re.compile(r"^[0-9]{1,10}$")
@@ -112,7 +113,7 @@ def int_param(value, name: str, default: int, lo: int, hi: int) -> int:
 
 
 def temperature_param(value) -> float:
-    """A finite temperature >= 0 (0 means greedy); default 1."""
+    """0 (greedy) or a finite temperature >= MIN_TEMPERATURE; default 1."""
     if value is None:
         return 1.0
     if isinstance(value, str):
@@ -125,6 +126,8 @@ def temperature_param(value) -> float:
     value = float(value)
     if not math.isfinite(value) or value < 0:
         raise BadRequest(f"temperature={value} is invalid: use a finite number >= 0 (0 means greedy)")
+    if 0 < value < MIN_TEMPERATURE:  # logits / 1e-40 overflow float32: NaN probabilities, Inf logits
+        raise BadRequest(f"temperature={value} is below {MIN_TEMPERATURE}: use 0 for greedy")
     return value
 
 

@@ -63,21 +63,22 @@ def _raw(temperature: float, row: np.ndarray) -> bytes:
 async def logits(request, model_id: str | None = None):
     t0 = time.perf_counter()
     m = model_of(request, model_id)
+    max_k = min(m.vocab_size, request.app.ctx.cfg.limits.max_top_k)
+    # The query's options (what binary requests use) are checked on every request; a JSON body's win.
+    k = rq.int_param(request.args.get("top_k"), "top_k", 5, 1, max_k)
+    temperature = rq.temperature_param(request.args.get("temperature"))
     if body_kind(request) == BINARY_KIND:
         x = wire.decode_logits_request(request.body, m.hidden_size)
         x = rq.finite(x)
-        params = {k: request.args.get(k) for k in ("top_k", "temperature")}
     else:
         params = json_object(request)
         if "residual" not in params:
             raise BadRequest(f'missing "residual" (a list of {m.hidden_size} numbers)')
         x = rq.residual(params["residual"], m.hidden_size)
-        # The body's options; the query's (what binary requests use) when the body has none.
-        params = {k: _json_number(params, k, integer=k == "top_k") if k in params else request.args.get(k)
-                  for k in ("top_k", "temperature")}
-    max_k = min(m.vocab_size, request.app.ctx.cfg.limits.max_top_k)
-    k = rq.int_param(params.get("top_k"), "top_k", 5, 1, max_k)
-    temperature = rq.temperature_param(params.get("temperature"))
+        if "top_k" in params:
+            k = rq.int_param(_json_number(params, "top_k", integer=True), "top_k", 5, 1, max_k)
+        if "temperature" in params:
+            temperature = rq.temperature_param(_json_number(params, "temperature", integer=False))
     if rq.wants_binary(request, default_binary=False):
         body = await m.batcher.submit(x, partial(_raw, temperature))
         return HTTPResponse(body, content_type=BINARY)

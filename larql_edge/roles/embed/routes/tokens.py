@@ -54,6 +54,8 @@ async def encode_post(request, model_id: str | None = None):
     obj = json_object(request)
     limit = request.app.ctx.cfg.limits.max_text_chars
     special = _flag(obj, "add_special_tokens")
+    if "text" in obj:  # checked even when "texts" (the batch) is what is encoded
+        _check_text(obj["text"], limit)
     if "texts" in obj:
         texts = obj["texts"]
         if not isinstance(texts, list):

@@ -1,6 +1,7 @@
 """What the OpenAPI documents of every server share: the error envelope, the ops routes, numbers.
 
-Each role builds its own document in code (``larql_edge.roles.<role>.openapi``), committed as
+The wires' own parts are beside their codecs (`larql_edge.wire.embed_api`, `larql_edge.wire.ffn_api`:
+the router serves both). Each role builds its document in code (``larql_edge.roles.<role>.openapi``), committed as
 ``openapi/<role>.json`` and served at ``GET /openapi.json``. A document takes an optional
 *deployment* (what one running server publishes in ``/v1/stats``: its limits, and the dimensions
 of its model): without it, the document states the default limits and describes what depends on
@@ -15,17 +16,17 @@ import json
 import sys
 from collections.abc import Callable
 
-BIN = "application/x-larql-ffn"
-BIN_F16 = "application/x-larql-ffn-f16"
-JSON = "application/json"
-# The largest finite float32: a JSON number beyond it is refused (it would become Inf on the wire).
-F32_MAX = 3.4028234663852886e38
+from larql_edge.wire import BINARY as BIN
+from larql_edge.wire import BINARY_F16 as BIN_F16
+from larql_edge.wire import JSON
+from larql_edge.wire.numbers import MAX_ABS_VALUE
 
 ENVELOPE = (
     'Every error is {"error": "message"} (application/json). A method a path does not list is '
     "405 with an Allow header naming the methods it has; a body over max_body_bytes is 413; JSON "
     "bodies are nested at most 32 levels deep and take no NaN or Infinity; numbers must be JSON "
-    "numbers (no strings, booleans or null), and an integer may be written as 3 or 3.0."
+    "numbers (no strings, booleans or null), an integer may be written as 3 or 3.0, and a residual "
+    "value is at most 1e12 in magnitude (JSON and binary alike)."
 )
 
 
@@ -49,8 +50,8 @@ def binary(description: str) -> dict:
 
 
 def f32(description: str | None = None) -> dict:
-    """A finite JSON number within float32 range."""
-    out: dict = {"type": "number", "minimum": -F32_MAX, "maximum": F32_MAX}
+    """A residual value: a JSON number of magnitude at most MAX_ABS_VALUE (`larql_edge.wire.numbers`)."""
+    out: dict = {"type": "number", "minimum": -MAX_ABS_VALUE, "maximum": MAX_ABS_VALUE}
     if description:
         out["description"] = description
     return out
