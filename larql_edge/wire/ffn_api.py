@@ -10,11 +10,6 @@ from dataclasses import dataclass
 from larql_edge.wire.ffn import MAX_BATCH_LAYERS
 from larql_edge.wire.openapi import BIN, BIN_F16, JSON, binary, err, f32, ref
 
-# A JSON number takes at most 24 characters (-1.2345678901234567e-308) and ", " between values:
-# what a row of a JSON residual may cost in bytes, against the same max_body_bytes as binary rows.
-JSON_BYTES_PER_VALUE = 26
-# Room left in a JSON body for everything but the residual (keys, layers, extra members).
-JSON_OVERHEAD = 4096
 # Up to this many rows, a narrowed document states "seq_len equals the number of rows" exactly.
 EXACT_ROWS_UP_TO = 64
 
@@ -39,16 +34,7 @@ class WalkApi:
     layer_max: int | None = None  # inclusive
     max_layers: int | None = None
     max_rows: int | None = None
-    max_body: int | None = None
     layers_text: str = "layers this shard serves (layer_start to layer_end in /v1/stats)"
-
-    @property
-    def json_rows(self) -> int | None:
-        """The rows a JSON residual may carry: max_rows, and what max_body_bytes leaves room for."""
-        if self.max_rows is None or self.max_body is None or self.hidden is None:
-            return self.max_rows
-        fits = (self.max_body - JSON_OVERHEAD) // (JSON_BYTES_PER_VALUE * self.hidden + 4)
-        return max(1, min(self.max_rows, fits))
 
     def layer(self) -> dict:
         top = self.layer_max if self.layer_max is not None else MAX_BATCH_LAYERS - 1
@@ -74,7 +60,7 @@ class WalkApi:
         return {"type": "array", "items": f32(), "minItems": n, "maxItems": n}
 
     def request(self) -> dict:
-        rows = self.json_rows
+        rows = self.max_rows
         flat: dict = {"type": "array", "items": f32(), "minItems": 1,
                       "description": "Flat: seq_len x hidden_size numbers (seq_len given, or the length / hidden_size)"}
         if self.hidden is not None:
@@ -84,9 +70,9 @@ class WalkApi:
         out: dict = {
             "type": "object",
             "required": ["residual"],
-            "description": 'Exactly one of "layer" (a single-layer reply) or "layers" (a batch reply). The rows of a JSON '
-            "body count against max_body_bytes too, so a JSON request carries fewer rows than max_rows (about "
-            f"(max_body_bytes - {JSON_OVERHEAD}) / ({JSON_BYTES_PER_VALUE} x hidden_size) in the worst case).",
+            "description": 'Exactly one of "layer" (a single-layer reply) or "layers" (a batch reply), at most max_rows '
+            "rows. A JSON body counts against the same max_body_bytes as a binary one (413 above it), so a JSON request "
+            "may carry fewer rows: a number takes up to 26 bytes as JSON text, 4 as f32.",
             "oneOf": [{"required": ["layer"], "not": {"required": ["layers"]}},
                       {"required": ["layers"], "not": {"required": ["layer"]}}],
             "properties": {

@@ -20,7 +20,7 @@ def _api(stats: dict | None) -> WalkApi:
         return WalkApi(max_rows=Limits().max_rows)
     lim = stats["limits"]
     return WalkApi(hidden=stats["hidden_size"], layer_min=stats["layer_start"], layer_max=stats["layer_end"],
-                   max_layers=lim["max_layers_per_request"], max_rows=lim["max_rows"], max_body=lim["max_body_bytes"])
+                   max_layers=lim["max_layers_per_request"], max_rows=lim["max_rows"])
 
 
 def openapi_spec(stats: dict | None = None) -> dict:
