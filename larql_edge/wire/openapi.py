@@ -96,12 +96,30 @@ def ops_paths(role: str, ready: dict, stats: dict, ready_503: str) -> dict:
     }
 
 
+def member_paths() -> dict:
+    """``POST /v1/membership/leave`` of a grid member (`larql_edge.service.membership.LEAVE_PATH`)."""
+    reply = {"type": "object", "required": ["left", "draining"],
+             "properties": {"left": {"type": "integer"}, "draining": {"const": True}}}
+    return {"/v1/membership/leave": {"post": {
+        "summary": "Leave every router and drain (what a Kubernetes preStop hook calls)",
+        "operationId": "membershipLeave",
+        "tags": ["grid"],
+        "description": "Present when the server joined a grid (--join); 404 otherwise.",
+        "security": [{"gridKey": []}],
+        "responses": {"200": ok("Left: /v1/ready answers 503 from now on", reply),
+                      "401": err("No grid key, or a wrong one"), "404": err("Not a grid member")},
+    }}}
+
+
 def document(title: str, description: str, paths: dict, schemas: dict) -> dict:
     return {
         "openapi": "3.1.0",
         "info": {"title": title, "version": "1", "description": f"{description} {ENVELOPE}"},
         "paths": paths,
-        "components": {"schemas": {"Error": ERROR_SCHEMA, **schemas}},
+        "components": {
+            "schemas": {"Error": ERROR_SCHEMA, **schemas},
+            "securitySchemes": {"gridKey": {"type": "http", "scheme": "bearer", "description": "The grid key"}},
+        },
     }
 
 

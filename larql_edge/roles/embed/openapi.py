@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from larql_edge.roles.embed.config import Limits
 from larql_edge.wire.embed_api import ERRORS, EmbedApi
-from larql_edge.wire.openapi import document, main, ops_paths, ref
+from larql_edge.wire.openapi import document, main, member_paths, ops_paths, ref
 
 
 def openapi_spec(deployment: dict | None = None) -> dict:
@@ -25,6 +25,7 @@ def openapi_spec(deployment: dict | None = None) -> dict:
     paths["/v1/stats"] = {"get": dict(stats, parameters=[api.header])}
     paths["/v1/{model_id}/stats"] = {"get": dict(stats, operationId="statsByModel", parameters=[api.model_id])}
     paths.update(ops)
+    paths.update(member_paths())
     limit_names = sorted(Limits().as_json())
     schemas = api.schemas() | {
         "Ready": {

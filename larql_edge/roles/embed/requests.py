@@ -138,6 +138,6 @@ def bool_param(value, name: str, default: bool = False) -> bool:
         return value
     if isinstance(value, str) and value.strip().lower() in ("1", "true", "yes", "on"):
         return True
-    if isinstance(value, str) and value.strip().lower() in ("0", "false", "no", "off", ""):
+    if isinstance(value, str) and value.strip().lower() in ("0", "false", "no", "off"):
         return False
     raise BadRequest(f"{name} must be a boolean")

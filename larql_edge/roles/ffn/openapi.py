@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from larql_edge.roles.ffn.shard import Limits
 from larql_edge.wire.ffn_api import WalkApi
-from larql_edge.wire.openapi import document, main, ops_paths, ref
+from larql_edge.wire.openapi import document, main, member_paths, ops_paths, ref
 
 LIMITS = ("max_rows", "max_layers_per_request", "repeated_layers", "max_reply_bytes", "max_rows_x_layers", "max_body_bytes")
 
@@ -27,6 +27,7 @@ def openapi_spec(stats: dict | None = None) -> dict:
     api = _api(stats)
     paths = {"/v1/walk-ffn": api.operation("The FFN of the listed layers on exactly the rows sent", {})}
     paths.update(ops_paths("ffn", ref("Ready"), ref("Stats"), "Draining: leaving the grid"))
+    paths.update(member_paths())
     integer, number, string = {"type": "integer"}, {"type": "number"}, {"type": "string"}
     schemas = api.schemas() | {
         "Ready": {"type": "object", "required": ["ready", "layers"],

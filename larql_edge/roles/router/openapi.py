@@ -168,15 +168,13 @@ def openapi_spec(deployment: dict | None = None) -> dict:
             },
         },
     }
-    doc = document(
+    return document(
         "larql-edge router",
         "The grid's one URL: FFN routing over layer-sharded members, the embed server's routes proxied, and grid "
         "membership (members join with the grid key as a bearer token).",
         paths,
         schemas,
     )
-    doc["components"]["securitySchemes"] = {"gridKey": {"type": "http", "scheme": "bearer", "description": "The grid key"}}
-    return doc
 
 
 if __name__ == "__main__":

@@ -65,8 +65,9 @@ async def logits(request, model_id: str | None = None):
     m = model_of(request, model_id)
     max_k = min(m.vocab_size, request.app.ctx.cfg.limits.max_top_k)
     # The query's options (what binary requests use) are checked on every request; a JSON body's win.
-    k = rq.int_param(request.args.get("top_k"), "top_k", 5, 1, max_k)
-    temperature = rq.temperature_param(request.args.get("temperature"))
+    query = request.get_args(keep_blank_values=True)  # ?top_k= is a wrong top_k, not a missing one
+    k = rq.int_param(query.get("top_k"), "top_k", 5, 1, max_k)
+    temperature = rq.temperature_param(query.get("temperature"))
     if body_kind(request) == BINARY_KIND:
         x = wire.decode_logits_request(request.body, m.hidden_size)
         x = rq.finite(x)

@@ -39,11 +39,12 @@ def _ids(m, ids: np.ndarray, limit: int) -> list[int]:
 @both(bp, "/token/encode", ["GET"], "encode")
 async def encode(request, model_id: str | None = None):
     m = model_of(request, model_id)
-    text = request.get_args(keep_blank_values=True).get("text")  # ?text= is the empty text
+    query = request.get_args(keep_blank_values=True)  # ?text= is the empty text
+    text = query.get("text")
     if text is None:
         raise BadRequest("text is required, e.g. ?text=Paris")
     text = _check_text(text, request.app.ctx.cfg.limits.max_text_chars)
-    special = rq.bool_param(request.args.get("add_special_tokens"), "add_special_tokens")
+    special = rq.bool_param(query.get("add_special_tokens"), "add_special_tokens")
     return json({"token_ids": m.tokenizer.encode(text, add_special_tokens=special).ids, "text": text})
 
 
@@ -72,8 +73,9 @@ async def encode_post(request, model_id: str | None = None):
 @both(bp, "/token/decode", ["GET"], "decode")
 async def decode(request, model_id: str | None = None):
     m = model_of(request, model_id)
-    ids = _ids(m, rq.query_ids(request.args.get("ids")), request.app.ctx.cfg.limits.max_tokens)
-    skip = rq.bool_param(request.args.get("skip_special_tokens"), "skip_special_tokens")
+    query = request.get_args(keep_blank_values=True)
+    ids = _ids(m, rq.query_ids(query.get("ids")), request.app.ctx.cfg.limits.max_tokens)
+    skip = rq.bool_param(query.get("skip_special_tokens"), "skip_special_tokens")
     return json({"text": m.tokenizer.decode(ids, skip_special_tokens=skip), "token_ids": ids})
 
 
