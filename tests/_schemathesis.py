@@ -30,11 +30,13 @@ class Report:
     failures: dict[tuple[str, str], str] = field(default_factory=dict)  # (operation, title: message) -> curl
     errors: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    phases: dict[str, float] = field(default_factory=dict)  # seconds per phase
 
     def __str__(self) -> str:
-        lines = [f"{len(self.failures)} failures, {len(self.errors)} errors in {self.cases} cases ({self.seconds:.1f} s)"]
+        phases = ", ".join(f"{name} {s:.1f} s" for name, s in self.phases.items())
+        lines = [f"{len(self.failures)} failures, {len(self.errors)} errors in {self.cases} cases ({self.seconds:.1f} s: {phases})"]
         lines += [f"- {op}: {what}\n    {curl[:600]}" for (op, what), curl in self.failures.items()]
-        lines += [f"- error: {e[:600]}" for e in self.errors]
+        lines += [f"- error: {e[:3000]}" for e in self.errors]
         return "\n".join(lines)
 
 
@@ -47,10 +49,11 @@ def config(url: str, max_examples: int, seed: int) -> SchemathesisConfig:
     })
     cfg.update(seed=seed, max_failures=None)
     cfg.output.sanitization.update(enabled=False)  # show token_ids and other "secret-looking" names
-    project = cfg.projects.get_default()
-    project.update(base_url=url, request_timeout=10)
-    project.checks.update(included_check_names=["all"])
-    project.generation.update(max_examples=max_examples, database="none", no_shrink=True)
+    # As `st run` does with its options: an override of every project's (and phase's) settings.
+    override = cfg.projects.override
+    override.update(base_url=url, request_timeout=10)
+    override.checks.update(included_check_names=["all"])
+    override.generation.update(max_examples=max_examples, database="none", no_shrink=True)
     return cfg
 
 
@@ -58,8 +61,14 @@ def run(document: dict, url: str, *, max_examples: int = 5, seed: int = 1) -> Re
     schema = schemathesis.openapi.from_dict(document, config=config(url, max_examples, seed))
     schema.config.update(base_url=url)
     report, t0 = Report(), time.monotonic()
+    started: dict[str, float] = {}
     for ev in from_schema(schema).execute():
-        if isinstance(ev, (events.ScenarioFinished, events.FuzzScenarioFinished)):
+        if isinstance(ev, events.PhaseStarted):
+            started[str(getattr(ev.phase.name, "value", ev.phase.name))] = ev.timestamp
+        elif isinstance(ev, events.PhaseFinished):
+            name = str(getattr(ev.phase.name, "value", ev.phase.name))
+            report.phases[name] = ev.timestamp - started.get(name, ev.timestamp)
+        elif isinstance(ev, (events.ScenarioFinished, events.FuzzScenarioFinished)):
             report.cases += len(ev.recorder.cases)
             for checks in ev.recorder.checks.values():
                 for check in checks:

@@ -11,7 +11,7 @@ from larql_edge.wire.ffn import MAX_BATCH_LAYERS
 from larql_edge.wire.openapi import BIN, BIN_F16, JSON, binary, err, f32, ref
 
 # Up to this many rows, a narrowed document states "seq_len equals the number of rows" exactly.
-EXACT_ROWS_UP_TO = 64
+EXACT_ROWS_UP_TO = 16
 
 BINARY_REQUEST = (
     "Single: u32 layer, u32 seq_len, u32 flags (bit0 full_output: must be 1), u32 top_k, f32[seq_len*hidden]. "
@@ -85,14 +85,14 @@ class WalkApi:
             },
         }
         if self.hidden is not None and rows is not None and rows <= EXACT_ROWS_UP_TO:
-            # seq_len, when given, is the number of rows; a flat residual is a whole number of rows.
-            out["allOf"] = [{"anyOf": [
-                {"not": {"required": ["seq_len"]},
-                 "properties": {"residual": {"anyOf": [self._rows(1, rows)] + [self._flat(k) for k in range(1, rows + 1)]}}},
-                *({"required": ["seq_len"],
-                   "properties": {"seq_len": {"const": k}, "residual": {"anyOf": [self._rows(k, k), self._flat(k)]}}}
-                  for k in range(1, rows + 1)),
-            ]}]
+            # One branch per form and row count: seq_len, when given, is the number of rows, and a flat
+            # residual is a whole number of rows (a flat anyOf: what a generator can draw from).
+            del out["oneOf"]
+            out["anyOf"] = [
+                {"required": [which], "properties": {other: False, "seq_len": {"const": k},
+                                                     "residual": {"anyOf": [self._rows(k, k), self._flat(k)]}}}
+                for which, other in (("layer", "layers"), ("layers", "layer")) for k in range(1, rows + 1)
+            ]
         return out
 
     def schemas(self) -> dict:

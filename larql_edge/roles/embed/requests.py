@@ -123,7 +123,10 @@ def temperature_param(value) -> float:
             raise BadRequest("temperature must be a number") from None
     elif type(value) not in (int, float):
         raise BadRequest("temperature must be a number")
-    value = float(value)
+    try:
+        value = float(value)
+    except OverflowError:  # a JSON integer beyond float64 (10**400)
+        raise BadRequest("temperature is beyond float range: use a finite number >= 0 (0 means greedy)") from None
     if not math.isfinite(value) or value < 0:
         raise BadRequest(f"temperature={value} is invalid: use a finite number >= 0 (0 means greedy)")
     if 0 < value < MIN_TEMPERATURE:  # logits / 1e-40 overflow float32: NaN probabilities, Inf logits

@@ -30,7 +30,10 @@ bp = Blueprint("logits")
 
 
 def _scaled(row: np.ndarray, temperature: float) -> np.ndarray:
-    return row / np.float32(temperature) if temperature not in (0.0, 1.0) else row
+    if temperature in (0.0, 1.0):
+        return row
+    # In float64: a temperature beyond float32 range (1e300) must not overflow to Inf first.
+    return np.divide(row, temperature, dtype=np.float64).astype(np.float32)
 
 
 def _top_k(model, k: int, temperature: float, row: np.ndarray) -> list[dict]:
