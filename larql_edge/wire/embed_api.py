@@ -100,14 +100,14 @@ class EmbedApi:
 
     def id_list(self, what: str) -> dict:
         n = self._limit("max_tokens_per_request")
-        out = {"type": "array", "items": self.token_id(), "description": f"{what}: at most max_tokens_per_request ids"}
+        out: dict = {"type": "array", "items": self.token_id(), "description": f"{what}: at most max_tokens_per_request ids"}
         if n is not None:
             out["maxItems"] = n
         return out
 
     def text(self) -> dict:
         n = self._limit("max_text_chars")
-        out = {"type": "string", "description": "At most max_text_chars characters"}
+        out: dict = {"type": "string", "description": "At most max_text_chars characters"}
         if n is not None:
             out["maxLength"] = n
         return out
@@ -250,7 +250,7 @@ class EmbedApi:
         seq_len = {"type": "integer", "minimum": 1, "description": "Optional (never null); must equal len(token_ids)"}
         if n is not None:
             seq_len["maximum"] = n
-        out = {"type": "object", "required": ["token_ids"],
+        out: dict = {"type": "object", "required": ["token_ids"],
                "properties": {"token_ids": dict(self.id_list("Token ids"), minItems=1), "seq_len": seq_len}}
         if self.ids and n is not None and n <= EXACT_SEQ_LEN_UP_TO:
             out["anyOf"] = [{"not": {"required": ["seq_len"]}}] + [

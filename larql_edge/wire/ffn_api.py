@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from larql_edge.wire import BINARY_F16 as BIN_F16
 from larql_edge.wire.ffn import MAX_BATCH_LAYERS
-from larql_edge.wire.openapi import BIN, BIN_F16, JSON, binary, err, f32, ref
+from larql_edge.wire.openapi import BIN, JSON, binary, err, f32, ref
 
 # Up to this many rows, a narrowed document states "seq_len equals the number of rows" exactly.
 EXACT_ROWS_UP_TO = 16
@@ -97,7 +98,7 @@ class WalkApi:
 
     def schemas(self) -> dict:
         output = {"type": "array", "items": {"type": "array", "items": {"type": "number"}}}
-        item = {"type": "object", "required": ["layer", "seq_len", "output"],
+        item: dict = {"type": "object", "required": ["layer", "seq_len", "output"],
                 "properties": {"layer": {"type": "integer"}, "seq_len": {"type": "integer"}, "output": output}}
         return {
             "WalkRequest": self.request(),

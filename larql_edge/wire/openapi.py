@@ -17,7 +17,6 @@ import sys
 from collections.abc import Callable
 
 from larql_edge.wire import BINARY as BIN
-from larql_edge.wire import BINARY_F16 as BIN_F16
 from larql_edge.wire import JSON
 from larql_edge.wire.numbers import MAX_ABS_VALUE
 

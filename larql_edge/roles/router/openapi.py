@@ -21,7 +21,7 @@ from larql_edge.wire.grid import HEARTBEAT, JOIN, LEAVE, MAX_HIDDEN, MAX_INFLIGH
 from larql_edge.wire.openapi import JSON, document, err, main, ok, ops_paths, ref
 
 NO_MEMBER = "No live member can answer (a layer without a live shard, no embed server), or every one tried failed"
-GRID_KEY = [{"gridKey": []}]
+GRID_KEY: list[dict[str, list[str]]] = [{"gridKey": []}]
 
 
 def _walk(d: dict) -> WalkApi:

@@ -186,9 +186,10 @@ async def _walk_json(ctx, body: bytes, headers: dict) -> HTTPResponse:
         raise BadRequest('the JSON body must be an object with exactly one of "layer" or "layers"')
     batch = "layers" in obj
     given = obj["layers"] if batch else [obj["layer"]]
-    layers = [json_int(v) for v in given] if isinstance(given, list) else []
-    if not layers or len(layers) > wire.MAX_BATCH_LAYERS or any(v is None or v < 0 for v in layers):
+    numbers = [json_int(v) for v in given] if isinstance(given, list) else []
+    if not numbers or len(numbers) > wire.MAX_BATCH_LAYERS or any(v is None or v < 0 for v in numbers):
         raise BadRequest('"layer"/"layers" must be non-negative layer numbers')
+    layers = [v for v in numbers if v is not None]
     _check_request(ctx, layers, None)
 
     async def send(m: Member, pos: list[int]) -> list:
