@@ -2,8 +2,9 @@
 
 One table maps error types to statuses: each `LarqlError` class declares its own ``status``
 (`larql_edge.errors`). Sanic's own errors (unknown route, wrong method, body over the size limit,
-malformed HTTP) keep their status and headers (``Allow`` on a 405). Anything else is a bug: a 500
-with a generic message, the traceback in the log, never to the caller.
+malformed HTTP) keep their status and headers; a 405 always carries ``Allow`` (RFC 9110 §15.5.6), also
+on a path with parameters, where Sanic's router does not name the methods. Anything else is a bug: a
+500 with a generic message, the traceback in the log, never to the caller.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ import logging
 import math
 
 from sanic import Sanic
-from sanic.exceptions import SanicException
+from sanic.constants import HTTP_METHODS
+from sanic.exceptions import MethodNotAllowed, SanicException
 from sanic.request import Request
 from sanic.response import HTTPResponse, json
 
@@ -34,6 +36,18 @@ def error_kind(exc: BaseException) -> str:
     return "internal"
 
 
+def allowed_methods(request: Request) -> str:
+    """The methods the app routes for this request's path (what a 405's ``Allow`` lists)."""
+    allowed = []
+    for method in HTTP_METHODS:
+        try:
+            request.app.router.get(request.path, method, None)
+        except SanicException:
+            continue
+        allowed.append(method)
+    return ", ".join(allowed)
+
+
 def response_for(exc: BaseException, request: Request | None) -> HTTPResponse:
     if isinstance(exc, LarqlError):
         headers = None
@@ -46,6 +60,8 @@ def response_for(exc: BaseException, request: Request | None) -> HTTPResponse:
         if status == 404 and request is not None:
             msg = f"no route for {request.method} {request.path}"
         headers = dict(getattr(exc, "headers", None) or {})
+        if isinstance(exc, MethodNotAllowed) and request is not None and not any(k.lower() == "allow" for k in headers):
+            headers["Allow"] = allowed_methods(request)
         return error_response(status, msg, headers=headers or None)
     log.exception("unhandled error on %s %s", getattr(request, "method", "?"), getattr(request, "path", "?"))
     return error_response(500, "internal server error")

@@ -23,6 +23,9 @@ U32 = np.dtype("<u4")
 F32 = np.dtype("<f4")
 _HEADER_1 = struct.Struct("<I")
 _HEADER_2 = struct.Struct("<II")
+# POST /v1/logits: the smallest temperature above 0 (greedy); smaller ones only overflow the scaled
+# logits (NaN probabilities, Inf logits).
+MIN_TEMPERATURE = 1e-3
 
 
 def _aligned(body: bytes, what: str) -> None:

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from larql_edge.wire import BINARY, BINARY_F16, WireError
-from larql_edge.wire.numbers import finite_f32, float_rows, float_vector
+from larql_edge.wire.numbers import finite_f32, float_rows, float_vector, json_int
 
 CONTENT_TYPE = BINARY
 CONTENT_TYPE_F16 = BINARY_F16
@@ -261,8 +261,8 @@ def single_layer_of(body: bytes) -> int:
 
 
 def _int_field(obj: dict, key: str) -> int:
-    v = obj[key]
-    if isinstance(v, bool) or not isinstance(v, int) or v < 0 or v >= BATCH:
+    v = json_int(obj[key])
+    if v is None or v < 0 or v >= BATCH:
         raise WireError(f'"{key}" must be a non-negative integer')
     return v
 
@@ -286,17 +286,19 @@ def request_from_json(obj: object, hidden: int) -> FfnRequest:
     value = obj["residual"]
     if isinstance(value, list) and value and isinstance(value[0], list):
         x = float_rows(value, '"residual"', hidden)
+        if "seq_len" in obj and json_int(obj["seq_len"]) != x.shape[0]:  # optional, but never null or wrong
+            raise WireError(f'"seq_len" {str(obj["seq_len"])[:20]} is not the {x.shape[0]} rows of "residual"')
     else:
         flat = float_vector(value, '"residual"')
-        seq = obj.get("seq_len", flat.size // hidden if hidden else 0)
-        if isinstance(seq, bool) or not isinstance(seq, int) or seq <= 0 or flat.size != seq * hidden:
+        seq = json_int(obj.get("seq_len", flat.size // hidden if hidden else 0))
+        if seq is None or seq <= 0 or flat.size != seq * hidden:
             raise WireError(f'"residual" has {flat.size} values: not seq_len x hidden ({hidden})')
         x = flat.reshape(seq, hidden)
     full = obj.get("full_output", True)
     if not isinstance(full, bool):
         raise WireError('"full_output" must be true or false')
-    top_k = obj.get("top_k", 0)
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+    top_k = json_int(obj.get("top_k", 0))
+    if top_k is None or top_k < 0:
         raise WireError('"top_k" must be a non-negative integer')
     return FfnRequest(layers=layers, x=x, batch=batch, full_output=full, top_k=top_k)
 

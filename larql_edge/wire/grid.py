@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from larql_edge.errors import ProtocolError
+from larql_edge.wire.numbers import json_int
 
 JOIN = "/v1/grid/join"
 HEARTBEAT = "/v1/grid/heartbeat"
@@ -45,7 +46,8 @@ def _int(obj: dict, key: str, required: bool = True, minimum: int = 0, maximum: 
     v = obj.get(key)
     if v is None and not required:
         return None
-    if isinstance(v, bool) or not isinstance(v, int) or v < minimum or v > maximum:
+    v = json_int(v)
+    if v is None or v < minimum or v > maximum:
         raise ProtocolError(f'"{key}" must be an integer from {minimum} to {maximum}')
     return v
 

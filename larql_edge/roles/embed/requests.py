@@ -16,9 +16,12 @@ import numpy as np
 
 from larql_edge.errors import BadRequest, NotAcceptable, PayloadTooLarge
 from larql_edge.wire import BINARY, JSON
-from larql_edge.wire.numbers import finite_f32, float_vector
+from larql_edge.wire.embed import MIN_TEMPERATURE
+from larql_edge.wire.numbers import finite_f32, float_vector, json_int
 
 _DIGITS = re.compile(r"^[0-9]{1,10}$")
+# An integer in a query string: as in JSON bodies, 3 and 3.0 alike (larql_edge.wire.numbers.json_int).
+_QUERY_INT = re.compile(r"-?[0-9]{1,19}(\.0*)?")
 
 
 # -- Accept ----------------------------------------------------------------------------------------
@@ -53,15 +56,18 @@ def check_ids(ids: np.ndarray, vocab: int, limit: int, what: str = "token_ids") 
 
 
 def json_ids(value, what: str = "token_ids") -> np.ndarray:
-    """A JSON list of integers (no floats, no booleans, no nesting) as an int64 array."""
+    """A JSON list of integers (``3`` or ``3.0``; no fractions, booleans or nesting) as an int64 array."""
     if not isinstance(value, list):
         raise BadRequest(f"{what} must be a list of integers")
+    ids = []
     for v in value:
-        if type(v) is not int:  # bool is an int subclass: rejected too
+        i = json_int(v)
+        if i is None:
             raise BadRequest(f"{what} must hold integers only (got {json.dumps(v)[:40]})")
-        if not -(2**63) <= v < 2**63:
-            raise BadRequest(f"token id {v} is out of range")
-    return np.asarray(value, dtype=np.int64)
+        if not -(2**63) <= i < 2**63:
+            raise BadRequest(f"token id {i} is out of range")
+        ids.append(i)
+    return np.asarray(ids, dtype=np.int64)
 
 
 def path_id(text: str) -> int:
@@ -77,9 +83,9 @@ def query_ids(text: str | None) -> np.ndarray:
     out = []
     for part in text.split(","):
         part = part.strip()
-        if not re.fullmatch(r"-?[0-9]{1,19}", part):
+        if not _QUERY_INT.fullmatch(part):
             raise BadRequest(f"ids: {part[:40]!r} is not an integer")
-        out.append(int(part))
+        out.append(int(part.split(".", 1)[0]))
     return np.asarray(out, dtype=np.int64)
 
 
@@ -96,9 +102,9 @@ def int_param(value, name: str, default: int, lo: int, hi: int) -> int:
     if value is None:
         return default
     if isinstance(value, str):
-        if not re.fullmatch(r"-?[0-9]{1,12}", value.strip()):
+        if not _QUERY_INT.fullmatch(value.strip()) or len(value.strip()) > 24:
             raise BadRequest(f"{name} must be an integer")
-        value = int(value)
+        value = int(value.strip().split(".", 1)[0])
     elif type(value) is not int:
         raise BadRequest(f"{name} must be an integer")
     if not lo <= value <= hi:
@@ -107,7 +113,7 @@ def int_param(value, name: str, default: int, lo: int, hi: int) -> int:
 
 
 def temperature_param(value) -> float:
-    """A finite temperature >= 0 (0 means greedy); default 1."""
+    """0 (greedy) or a finite temperature >= MIN_TEMPERATURE; default 1."""
     if value is None:
         return 1.0
     if isinstance(value, str):
@@ -117,9 +123,14 @@ def temperature_param(value) -> float:
             raise BadRequest("temperature must be a number") from None
     elif type(value) not in (int, float):
         raise BadRequest("temperature must be a number")
-    value = float(value)
+    try:
+        value = float(value)
+    except OverflowError:  # a JSON integer beyond float64 (10**400)
+        raise BadRequest("temperature is beyond float range: use a finite number >= 0 (0 means greedy)") from None
     if not math.isfinite(value) or value < 0:
         raise BadRequest(f"temperature={value} is invalid: use a finite number >= 0 (0 means greedy)")
+    if 0 < value < MIN_TEMPERATURE:  # logits / 1e-40 overflow float32: NaN probabilities, Inf logits
+        raise BadRequest(f"temperature={value} is below {MIN_TEMPERATURE}: use 0 for greedy")
     return value
 
 
@@ -130,6 +141,6 @@ def bool_param(value, name: str, default: bool = False) -> bool:
         return value
     if isinstance(value, str) and value.strip().lower() in ("1", "true", "yes", "on"):
         return True
-    if isinstance(value, str) and value.strip().lower() in ("0", "false", "no", "off", ""):
+    if isinstance(value, str) and value.strip().lower() in ("0", "false", "no", "off"):
         return False
     raise BadRequest(f"{name} must be a boolean")

@@ -10,6 +10,7 @@ from sanic.request import Request
 from larql_edge.service import Hooks, make_app
 from larql_edge.service.identity import rss_bytes
 
+from .openapi import openapi_spec
 from .routes import bp as walk_bp
 from .shard import Shard
 
@@ -41,6 +42,7 @@ def create_app(shard: Shard, name: str = "larql_ffn") -> Sanic:
         ready=lambda: {"ready": True, "layers": str(shard.range)},
         stats=stats,
         inflight=lambda: app.ctx.compute.inflight,
+        openapi=openapi_spec(),
     )
     app = make_app(name, "ffn", hooks, max_body=shard.max_body)
     app.ctx.shard = shard

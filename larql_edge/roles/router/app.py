@@ -15,6 +15,7 @@ from larql_edge.service.identity import rss_bytes
 
 from .embed_proxy import bp as embed_bp
 from .grid_routes import bp as grid_bp
+from .openapi import openapi_spec
 from .registry import Registry, model_facts
 from .upstream import Upstream
 from .walk import bp as walk_bp
@@ -71,7 +72,7 @@ def create_app(registry: Registry, grid_key: str, limits: Limits | None = None, 
         return {"ready": True, "complete": v["complete"], "gaps": v["gaps"], "embed": v["embed"]}
 
     metrics = RouterMetrics()
-    hooks = Hooks(ready=ready, stats=stats, inflight=lambda: upstream.inflight)
+    hooks = Hooks(ready=ready, stats=stats, inflight=lambda: upstream.inflight, openapi=openapi_spec())
     app = make_app(name, "router", hooks, max_body=limits.max_body, metrics=metrics)
     app.ctx.registry = registry
     app.ctx.grid_key = grid_key.encode()

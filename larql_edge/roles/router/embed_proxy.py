@@ -27,6 +27,7 @@ _TOKEN = re.compile(r"^[0-9]{1,10}(\.json)?$")
 _SHA = re.compile(r"^[0-9a-fA-F]{64}$")
 _MODEL_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")  # larql_edge.roles.embed.config.MODEL_ID
 _TOKEN_OPS = ("encode", "decode")
+MODEL_HEADER = "x-model-id"  # larql_edge.roles.embed.registry.MODEL_HEADER
 
 bp = Blueprint("embed_proxy")
 
@@ -35,6 +36,9 @@ async def _forward(request: Request, path: str) -> HTTPResponse:
     registry, upstream = request.app.ctx.registry, request.app.ctx.upstream
     tried: set[str] = set()
     reasons: list[str] = []
+    headers = forward_headers(request.headers)
+    if MODEL_HEADER in request.headers:  # the unprefixed routes' model choice
+        headers[MODEL_HEADER] = request.headers[MODEL_HEADER]
     for _ in range(MAX_TRIES):
         cands = registry.embed_candidates(exclude=tried)
         if not cands:
@@ -42,7 +46,7 @@ async def _forward(request: Request, path: str) -> HTTPResponse:
         m = cands[0]
         try:
             r = await upstream.send(m, request.method, path, content=request.body or None,
-                                    headers=forward_headers(request.headers), params=request.query_string, proxied=True)
+                                    headers=headers, params=request.query_string, proxied=True)
         except MemberFailed as e:
             tried.add(m.id)
             reasons.append(e.reason)
@@ -103,4 +107,4 @@ for prefix, tag in (("/v1", ""), ("/v1/<model_id:str>", "_by_model")):
     bp.add_route(logits, f"{prefix}/logits", methods=["POST"], name=f"logits{tag}")
     bp.add_route(token_op, f"{prefix}/token/<op:str>", methods=["GET", "POST"], name=f"token{tag}")
 bp.add_route(embed_row_by_sha, "/v1/models/<sha:str>/embed/<token:str>", methods=["GET", "HEAD"], name="embed_row_by_sha")
-bp.add_route(models, "/v1/models", methods=["GET", "HEAD"], name="models")
+bp.add_route(models, "/v1/models", methods=["GET"], name="models")  # as the embed server: no HEAD there

@@ -25,6 +25,7 @@ from larql_edge.roles.router.upstream import MemberFailed, Upstream, forward_hea
 from larql_edge.service import JSON_KIND, body_kind, parse_json
 from larql_edge.service.h1 import Reply
 from larql_edge.wire import ffn as wire
+from larql_edge.wire.numbers import json_int
 
 PATH = "/v1/walk-ffn"
 MAX_ROUNDS = 4  # re-routing rounds for one request: each round excludes the members that failed
@@ -184,10 +185,11 @@ async def _walk_json(ctx, body: bytes, headers: dict) -> HTTPResponse:
     if not isinstance(obj, dict) or ("layer" in obj) == ("layers" in obj):
         raise BadRequest('the JSON body must be an object with exactly one of "layer" or "layers"')
     batch = "layers" in obj
-    layers = obj["layers"] if batch else [obj["layer"]]
-    if (not isinstance(layers, list) or not layers or len(layers) > wire.MAX_BATCH_LAYERS
-            or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in layers)):
+    given = obj["layers"] if batch else [obj["layer"]]
+    numbers = [json_int(v) for v in given] if isinstance(given, list) else []
+    if not numbers or len(numbers) > wire.MAX_BATCH_LAYERS or any(v is None or v < 0 for v in numbers):
         raise BadRequest('"layer"/"layers" must be non-negative layer numbers')
+    layers = [v for v in numbers if v is not None]
     _check_request(ctx, layers, None)
 
     async def send(m: Member, pos: list[int]) -> list:

@@ -15,6 +15,7 @@ from larql_edge.roles.embed.routes._common import both, model_of
 from larql_edge.service import BINARY_KIND, body_kind, json_object
 from larql_edge.wire import BINARY
 from larql_edge.wire import embed as wire
+from larql_edge.wire.numbers import json_int
 
 bp = Blueprint("embed")
 
@@ -31,9 +32,8 @@ async def embed(request, model_id: str | None = None):
         if "token_ids" not in obj:
             raise BadRequest('missing "token_ids" (a list of token ids)')
         ids = rq.json_ids(obj["token_ids"])
-        seq_len = obj.get("seq_len")
-        if seq_len is not None and (type(seq_len) is not int or seq_len != ids.size):
-            raise BadRequest(f"seq_len {seq_len!r} disagrees with {ids.size} token_ids")
+        if "seq_len" in obj and json_int(obj["seq_len"]) != ids.size:  # optional, but never null
+            raise BadRequest(f"seq_len {obj['seq_len']!r} disagrees with {ids.size} token_ids")
     ids = rq.check_ids(ids, m.vocab_size, request.app.ctx.cfg.limits.max_tokens)
     parts = m.store.rows_bytes(ids)
     n, hidden = int(ids.size), m.hidden_size

@@ -24,12 +24,16 @@ from larql_edge.roles.embed.routes._common import both, model_of
 from larql_edge.service import BINARY_KIND, body_kind, json_object
 from larql_edge.wire import BINARY
 from larql_edge.wire import embed as wire
+from larql_edge.wire.numbers import json_int
 
 bp = Blueprint("logits")
 
 
 def _scaled(row: np.ndarray, temperature: float) -> np.ndarray:
-    return row / np.float32(temperature) if temperature not in (0.0, 1.0) else row
+    if temperature in (0.0, 1.0):
+        return row
+    # In float64: a temperature beyond float32 range (1e300) must not overflow to Inf first.
+    return np.divide(row, temperature, dtype=np.float64).astype(np.float32)
 
 
 def _top_k(model, k: int, temperature: float, row: np.ndarray) -> list[dict]:
@@ -45,6 +49,15 @@ def _top_k(model, k: int, temperature: float, row: np.ndarray) -> list[dict]:
     return out
 
 
+def _json_number(params: dict, name: str, integer: bool):
+    """A JSON body's option: a JSON number (an integer for top_k); never a string or null."""
+    value = params[name]
+    number = json_int(value) if integer else value if type(value) in (int, float) else None
+    if number is None:
+        raise BadRequest(f"{name} must be {'an integer' if integer else 'a number'}")
+    return number
+
+
 def _raw(temperature: float, row: np.ndarray) -> bytes:
     return wire.encode_logits_response(_scaled(row, temperature))
 
@@ -53,18 +66,23 @@ def _raw(temperature: float, row: np.ndarray) -> bytes:
 async def logits(request, model_id: str | None = None):
     t0 = time.perf_counter()
     m = model_of(request, model_id)
+    max_k = min(m.vocab_size, request.app.ctx.cfg.limits.max_top_k)
+    # The query's options (what binary requests use) are checked on every request; a JSON body's win.
+    query = request.get_args(keep_blank_values=True)  # ?top_k= is a wrong top_k, not a missing one
+    k = rq.int_param(query.get("top_k"), "top_k", 5, 1, max_k)
+    temperature = rq.temperature_param(query.get("temperature"))
     if body_kind(request) == BINARY_KIND:
         x = wire.decode_logits_request(request.body, m.hidden_size)
         x = rq.finite(x)
-        params = {k: request.args.get(k) for k in ("top_k", "temperature")}
     else:
         params = json_object(request)
         if "residual" not in params:
             raise BadRequest(f'missing "residual" (a list of {m.hidden_size} numbers)')
         x = rq.residual(params["residual"], m.hidden_size)
-    max_k = min(m.vocab_size, request.app.ctx.cfg.limits.max_top_k)
-    k = rq.int_param(params.get("top_k"), "top_k", 5, 1, max_k)
-    temperature = rq.temperature_param(params.get("temperature"))
+        if "top_k" in params:
+            k = rq.int_param(_json_number(params, "top_k", integer=True), "top_k", 5, 1, max_k)
+        if "temperature" in params:
+            temperature = rq.temperature_param(_json_number(params, "temperature", integer=False))
     if rq.wants_binary(request, default_binary=False):
         body = await m.batcher.submit(x, partial(_raw, temperature))
         return HTTPResponse(body, content_type=BINARY)

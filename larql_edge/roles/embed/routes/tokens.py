@@ -22,6 +22,14 @@ def _check_text(text, limit: int) -> str:
     return text
 
 
+def _flag(obj: dict, name: str) -> bool:
+    """A JSON body's boolean option: true or false when present (query strings use rq.bool_param)."""
+    value = obj.get(name, False)
+    if not isinstance(value, bool):
+        raise BadRequest(f"{name} must be true or false")
+    return value
+
+
 def _ids(m, ids: np.ndarray, limit: int) -> list[int]:
     if ids.size == 0:
         return []
@@ -31,11 +39,12 @@ def _ids(m, ids: np.ndarray, limit: int) -> list[int]:
 @both(bp, "/token/encode", ["GET"], "encode")
 async def encode(request, model_id: str | None = None):
     m = model_of(request, model_id)
-    text = request.args.get("text")
+    query = request.get_args(keep_blank_values=True)  # ?text= is the empty text
+    text = query.get("text")
     if text is None:
         raise BadRequest("text is required, e.g. ?text=Paris")
     text = _check_text(text, request.app.ctx.cfg.limits.max_text_chars)
-    special = rq.bool_param(request.args.get("add_special_tokens"), "add_special_tokens")
+    special = rq.bool_param(query.get("add_special_tokens"), "add_special_tokens")
     return json({"token_ids": m.tokenizer.encode(text, add_special_tokens=special).ids, "text": text})
 
 
@@ -45,7 +54,9 @@ async def encode_post(request, model_id: str | None = None):
     body_kind(request, allowed=(JSON_KIND,))
     obj = json_object(request)
     limit = request.app.ctx.cfg.limits.max_text_chars
-    special = rq.bool_param(obj.get("add_special_tokens"), "add_special_tokens")
+    special = _flag(obj, "add_special_tokens")
+    if "text" in obj:  # checked even when "texts" (the batch) is what is encoded
+        _check_text(obj["text"], limit)
     if "texts" in obj:
         texts = obj["texts"]
         if not isinstance(texts, list):
@@ -62,8 +73,9 @@ async def encode_post(request, model_id: str | None = None):
 @both(bp, "/token/decode", ["GET"], "decode")
 async def decode(request, model_id: str | None = None):
     m = model_of(request, model_id)
-    ids = _ids(m, rq.query_ids(request.args.get("ids")), request.app.ctx.cfg.limits.max_tokens)
-    skip = rq.bool_param(request.args.get("skip_special_tokens"), "skip_special_tokens")
+    query = request.get_args(keep_blank_values=True)
+    ids = _ids(m, rq.query_ids(query.get("ids")), request.app.ctx.cfg.limits.max_tokens)
+    skip = rq.bool_param(query.get("skip_special_tokens"), "skip_special_tokens")
     return json({"text": m.tokenizer.decode(ids, skip_special_tokens=skip), "token_ids": ids})
 
 
@@ -73,7 +85,7 @@ async def decode_post(request, model_id: str | None = None):
     body_kind(request, allowed=(JSON_KIND,))
     obj = json_object(request)
     limit = request.app.ctx.cfg.limits.max_tokens
-    skip = rq.bool_param(obj.get("skip_special_tokens"), "skip_special_tokens")
+    skip = _flag(obj, "skip_special_tokens")
     ids = obj.get("ids")
     if not isinstance(ids, list):
         raise BadRequest('send {"ids": [...]} or {"ids": [[...], ...]}')
