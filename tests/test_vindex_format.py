@@ -121,3 +121,20 @@ def test_staged_output_is_all_or_nothing(tmp_path):
         with staged_output(out):
             pass
     shutil.rmtree(out)
+
+
+def test_row_file_reads_rows_like_the_map_without_mapping(tiny_models):
+    """`Vindex.embedding_rows()`: the embed server's lookups, read with pread (a memory map's
+    fault-around would leave neighbouring pages resident); same values as the map, bounds checked."""
+    vx = Vindex.open(tiny_models["gemma3"])
+    table, rows = vx.embeddings(), vx.embedding_rows()
+    assert rows.shape == table.shape and rows.dtype == table.dtype and rows.nbytes == table.nbytes
+    assert np.array_equal(rows[3], table[3]) and np.array_equal(rows[np.int64(5)], table[5])
+    ids = np.array([0, 7, 7, rows.shape[0] - 1])
+    assert np.array_equal(rows[ids], table[ids]) and rows[np.array([], dtype=np.int64)].shape == (0, table.shape[1])
+    for bad in (-1, rows.shape[0]):
+        with pytest.raises(IndexError):
+            rows[bad]
+        with pytest.raises(IndexError):
+            rows[np.array([0, bad])]
+    rows.close()

@@ -23,3 +23,23 @@ def vindex_hash(vx: Vindex) -> str:
 
 def rss_bytes() -> int:
     return int(psutil.Process().memory_info().rss)
+
+
+def release_freed_memory() -> None:
+    """Hand memory freed by loading back to the OS (glibc keeps it otherwise).
+
+    Parsing Gemma's 13 MB tokenizer.json peaks at ~300 MB of heap that the tokenizer then frees;
+    glibc keeps those pages mapped, so a server's RSS stays ~190 MB above what it uses. Called once
+    after loading; a no-op where there is no glibc.
+    """
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        trim = getattr(libc, "malloc_trim", None)
+    except OSError:
+        return
+    if trim is not None:
+        trim(0)

@@ -25,7 +25,7 @@ def model_lines(m: ServedModel) -> list[str]:
         f"  Model:      {m.name}  (id {m.id})",
         f"  Vocab:      {m.vocab_size:,} tokens",
         f"  Hidden:     {m.hidden_size:,}",
-        f"  Embeddings: {_gb(m.embed_nbytes)}  ({store.storage_dtype}, mmap; hot cache {store.cache.capacity:,} rows)",
+        f"  Embeddings: {_gb(m.embed_nbytes)}  ({store.storage_dtype}, read per row; hot cache {store.cache.capacity:,} rows)",
     ]
     tied = "tied" if m.tied else "untied, lm_head.bin"
     lines.append(f"  lm_head:    {_gb(head.copy.nbytes)}  ({tied}; computed as {head.copy.format}, "

@@ -22,6 +22,7 @@ from larql_edge.roles.embed.batcher import LogitsBatcher
 from larql_edge.roles.embed.config import ModelSource
 from larql_edge.roles.embed.head import LogitsHead
 from larql_edge.roles.embed.store import EmbeddingStore
+from larql_edge.service.identity import release_freed_memory
 
 log = logging.getLogger("larql.embed")
 
@@ -132,7 +133,7 @@ class ServedModel:
     # -- loading -------------------------------------------------------------------------------
     def load(self, hot_cache: int, lm_head_cache: Path | None, lm_head_format: str = "auto") -> None:
         t = time.perf_counter()
-        table = self.vindex.embeddings()
+        table = self.vindex.embedding_rows()
         self._store = EmbeddingStore(table, self.spec.embed_scale, hot_cache)
         if self.sha256 is None:
             log.warning("%s: index.json records no sha256 for %s; hashing it", self.path, EMBEDDINGS)
@@ -148,6 +149,7 @@ class ServedModel:
         head.warm_up()
         self._head = head
         self.load_seconds["lm_head"] = time.perf_counter() - t
+        release_freed_memory()
 
     # -- lookups used by the routes -------------------------------------------------------------
     def token_text(self, i: int) -> str:
@@ -167,7 +169,7 @@ class ServedModel:
             "embed_size_gb": round(self.embed_nbytes / 1e9, 3),
             "embeddings": {
                 "dtype": "f16" if self.vindex.embeddings_dtype().itemsize == 2 else "f32",
-                "storage": "mmap",
+                "storage": "pread",  # rows read from the file per lookup: nothing of the table stays resident
                 "bytes": self.embed_nbytes,
                 "embed_scale": self.spec.embed_scale,
                 "sha256": self.sha256,

@@ -24,6 +24,8 @@ from array import array
 
 import numpy as np
 
+from larql_edge.format.vindex import RowFile
+
 F32 = np.dtype("<f4")
 
 
@@ -119,17 +121,18 @@ class HotCache:
 
 
 class EmbeddingStore:
-    """Scaled f32 rows out of an f16 (or f32) memory-mapped ``[vocab, hidden]`` table."""
+    """Scaled f32 rows out of an f16 (or f32) ``[vocab, hidden]`` table: a memory map, or a
+    `format.vindex.RowFile` read with pread (what the server uses: nothing of the table stays resident)."""
 
     # Above this many ids per request, decode in one vectorised gather instead of id by id.
     VECTOR_THRESHOLD = 16
 
-    def __init__(self, table: np.ndarray, scale: float, hot_capacity: int = 5000):
+    def __init__(self, table: np.ndarray | RowFile, scale: float, hot_capacity: int = 5000):
         if table.ndim != 2:
             raise ValueError("embedding table must be [vocab, hidden]")
         # A plain ndarray view of the memory map (no copy): numpy's memmap subclass costs
         # microseconds per row access in bookkeeping. The table itself is never materialised.
-        self.table = table.view(np.ndarray) if isinstance(table, np.memmap) else table
+        self.table: np.ndarray | RowFile = table.view(np.ndarray) if isinstance(table, np.memmap) else table
         self.vocab, self.hidden = table.shape
         self.scale = np.float32(scale)
         self.cache = HotCache(self.vocab, hot_capacity)
