@@ -178,3 +178,38 @@ def test_deeply_nested_json_is_a_400_on_every_service(tiny_models, role):
         r = httpx.post(server.url + path, content=body, headers={"content-type": "application/json"})
         assert r.status_code == 400 and "nested" in r.json()["error"], r.text
         assert httpx.get(server.url + "/v1/health").status_code == 200
+
+
+def _slow_member(seconds_per_row: float) -> ServerThread:
+    """A correct-shaped member that takes ``seconds_per_row`` per row x layer (a big batch's compute)."""
+    app = Sanic("slow_member")
+
+    @app.get("/v1/stats")
+    async def stats(request):
+        return json({"model": "gemma3-hf", "hidden_size": H, "num_layers": 2, "layer_start": 0, "layer_end": 1})
+
+    @app.post("/v1/walk-ffn")
+    async def walk(request):
+        import asyncio
+
+        req = w.decode_request(request.body, H)
+        await asyncio.sleep(seconds_per_row * req.seq_len * len(req.layers))
+        return raw(w.encode_response(req.layers[0], np.array(req.x), 1.0), content_type=w.CONTENT_TYPE)
+
+    return ServerThread(app)
+
+
+def test_the_hop_timeout_grows_with_the_work_asked():
+    """Found by benchmarks/largest_request.py: the largest legal batch took longer than the flat 10 s
+    hop timeout, so a member computing it correctly was failed and the caller got a 503. The router's
+    wait is now ``upstream_timeout + rows x layers x upstream_ms_per_row``; a decode-sized request
+    still fails over after ``upstream_timeout``."""
+    x = np.zeros((40, H), np.float32)  # 40 row-layers x 25 ms = 1 s of "compute"
+    with _slow_member(0.025) as slow:
+        for per_row, want in ((0.0, 503), (40.0, 200)):
+            with inproc.router(static_ffn=[(None, slow.url)], upstream_timeout=0.3, upstream_ms_per_row=per_row) as router:
+                wait_grid(router.url, members=1)
+                r = httpx.post(router.url + "/v1/walk-ffn", content=w.encode_request(1, x), headers=BIN, timeout=30)
+                assert r.status_code == want, (per_row, r.text)
+                limits = httpx.get(router.url + "/v1/stats").json()["limits"]
+                assert limits["upstream_ms_per_row_layer"] == per_row

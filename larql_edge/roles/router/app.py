@@ -33,11 +33,20 @@ class Limits:
     # Shorter than a client's own timeout (30 s by default), so the router fails over to another
     # replica before the client gives up on the router.
     upstream_timeout: float = 10.0
+    # ...plus this much per row x layer a request asks a member to compute: the largest legal batch
+    # (26,214 row-layers on Gemma) takes ~5-11 s on a loaded 2-core machine, which a flat 10 s
+    # turned into a "member failed" for a request the member was serving correctly.
+    upstream_ms_per_row: float = 1.0
+
+    def hop_timeout(self, row_layers: int) -> float:
+        """Seconds the router waits for a member's reply to a request of ``row_layers`` rows x layers."""
+        return self.upstream_timeout + max(0, row_layers) * self.upstream_ms_per_row / 1e3
 
     def as_json(self) -> dict:
         return {"max_body_bytes": self.max_body, "max_reply_bytes": self.max_reply_bytes,
                 "max_layers_per_request": "the model's layers, each named once",
-                "max_grid_body_bytes": self.max_grid_body, "upstream_timeout_s": self.upstream_timeout}
+                "max_grid_body_bytes": self.max_grid_body, "upstream_timeout_s": self.upstream_timeout,
+                "upstream_ms_per_row_layer": self.upstream_ms_per_row}
 
 
 class RouterMetrics(Metrics):
@@ -78,6 +87,7 @@ def create_app(registry: Registry, grid_key: str, limits: Limits | None = None, 
     app.ctx.grid_key = grid_key.encode()
     app.ctx.limits = limits
     # The pool opens connections lazily, inside the server's loop: it can be made before the server.
+    app.ctx.limits = limits
     app.ctx.upstream = upstream = Upstream(registry, limits.upstream_timeout, metrics, max_reply=limits.max_reply_bytes + (1 << 16))
     for bp in (grid_bp, walk_bp, embed_bp):
         app.blueprint(bp)

@@ -42,7 +42,8 @@ class Upstream:
         await self.pool.aclose()
 
     async def send(self, m: Member, method: str, path: str, *, content: bytes | None = None,
-                   headers: dict[str, str] | None = None, params: str = "", proxied: bool = False) -> Reply:
+                   headers: dict[str, str] | None = None, params: str = "", proxied: bool = False,
+                   timeout: float | None = None) -> Reply:
         """One request to one member: a success or the caller's mistake comes back; anything else
         raises MemberFailed (a failure another replica may not have)."""
         url = m.url + path + (f"?{params}" if params else "")
@@ -50,7 +51,8 @@ class Upstream:
         self.inflight += 1
         t0 = time.perf_counter()
         try:
-            r = await self.pool.request(method, url, content=content, headers=headers, max_body=self.max_reply)
+            r = await self.pool.request(method, url, content=content, headers=headers, max_body=self.max_reply,
+                                        timeout=timeout)
         except TransportError as e:
             self._failed(m, f"{type(e).__name__}")
             raise MemberFailed(m, f"{m.url}: {describe(e)}") from None

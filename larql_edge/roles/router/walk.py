@@ -21,7 +21,7 @@ from sanic.response import HTTPResponse, json, raw
 
 from larql_edge.errors import BadRequest, PayloadTooLarge, ServiceUnavailable
 from larql_edge.roles.router.registry import Member, Registry
-from larql_edge.roles.router.upstream import MemberFailed, Upstream, forward_headers
+from larql_edge.roles.router.upstream import MemberFailed, forward_headers
 from larql_edge.service import JSON_KIND, body_kind, parse_json
 from larql_edge.service.h1 import Reply
 from larql_edge.wire import ffn as wire
@@ -105,10 +105,23 @@ async def dispatch(registry: Registry, layers: Sequence[int], send_group: SendGr
 bp = Blueprint("walk")
 
 
-async def _post(upstream: Upstream, m: Member, content: bytes, headers: dict) -> Reply:
+def _json_rows(obj: dict, hidden: int | None) -> int:
+    """Rows of a JSON walk request (nested rows, or a flat residual of seq_len x hidden), for the
+    hop timeout only: the member validates the body itself."""
+    r = obj.get("residual")
+    if not isinstance(r, list) or not r:
+        return 1
+    if isinstance(r[0], list):
+        return len(r)
+    return max(1, len(r) // hidden) if hidden else 1
+
+
+async def _post(ctx, m: Member, content: bytes, headers: dict, row_layers: int) -> Reply:
     """One group to one member: its 2xx comes back, the caller's mistake (400, 413) goes back to
-    the caller as it is, anything else already raised MemberFailed (`larql_edge.service.failures`)."""
-    r = await upstream.send(m, "POST", PATH, content=content, headers=headers)
+    the caller as it is, anything else already raised MemberFailed (`larql_edge.service.failures`).
+    The wait scales with the work asked (`Limits.hop_timeout`)."""
+    r = await ctx.upstream.send(m, "POST", PATH, content=content, headers=headers,
+                                timeout=ctx.limits.hop_timeout(row_layers))
     if r.status_code != 200:
         raise Passthrough(r)
     return r
@@ -135,8 +148,8 @@ async def _walk_single(ctx, body: bytes, headers: dict) -> HTTPResponse:
     _check_request(ctx, [layer], len(body) - 16)
 
     async def send(m: Member, pos: list[int]) -> list:
-        r = await _post(upstream, m, body, headers)
         hidden = m.hidden_size or registry.hidden_size
+        r = await _post(ctx, m, body, headers, (len(body) - 16) // (4 * hidden) if hidden else 0)
         if hidden:  # a reply must be for this layer and this many rows: garbage is the member's failure
             f16 = r.headers.get("content-type", "").startswith(wire.CONTENT_TYPE_F16)
             try:
@@ -161,7 +174,9 @@ async def _walk_batch(ctx, body: bytes, headers: dict) -> HTTPResponse:
     async def send(m: Member, pos: list[int]) -> list:
         mine = [layers[p] for p in pos]
         content = body if len(mine) == len(layers) else wire.batch_request_from_tail(mine, tail)
-        r = await _post(upstream, m, content, headers)
+        hidden = m.hidden_size or registry.hidden_size
+        rows = (len(tail) - 12) // (4 * hidden) if hidden else 0
+        r = await _post(ctx, m, content, headers, rows * len(mine))
         f16 = r.headers.get("content-type", "").startswith(wire.CONTENT_TYPE_F16)
         try:
             items = list(wire.iter_batch_items(r.content, f16))
@@ -195,7 +210,7 @@ async def _walk_json(ctx, body: bytes, headers: dict) -> HTTPResponse:
     async def send(m: Member, pos: list[int]) -> list:
         mine = [layers[p] for p in pos]
         sub = dict(obj, layers=mine) if batch else obj
-        r = await _post(upstream, m, jsonlib.dumps(sub).encode(), headers)
+        r = await _post(ctx, m, jsonlib.dumps(sub).encode(), headers, _json_rows(obj, m.hidden_size) * len(mine))
         try:
             reply = r.json()
             items = reply["results"] if batch else [reply]
