@@ -245,6 +245,7 @@ def test_asyncio_api():
     asyncio.run(main())
 
 
+@pytest.mark.multiprocess
 def test_command_line_proxies_and_cuts_on_sigusr1():
     with socket.socket() as probe:
         probe.bind((LOOPBACK, 0))
@@ -295,6 +296,7 @@ def test_command_line_proxies_and_cuts_on_sigusr1():
     (["--target", "nowhere"], "expected HOST:PORT"),
     (["--target", "127.0.0.1:1", "--delay-ms", "-3"], "must be >= 0"),
 ])
+@pytest.mark.multiprocess
 def test_command_line_errors(argv, message):
     r = subprocess.run([sys.executable, "-m", "larql_edge.tools.delay_proxy", *argv], capture_output=True, text=True,
                        timeout=30)
