@@ -35,10 +35,9 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 import numpy as np
 from threadpoolctl import ThreadpoolController
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
 from larql_edge.model.kernels import CompactMatrix, set_threads
+
+REPO = Path(__file__).resolve().parent.parent
 
 ROWS = (1, 8, 16, 32)
 THREADS = (1, 2)
@@ -289,7 +288,7 @@ def best_time(fn, reps: int) -> float:
 def error(y, ref) -> float:
     """max |y - ref| / max |ref| (over all layers when given lists)."""
     if isinstance(y, list):
-        return max(error(a, b) for a, b in zip(y, ref))
+        return max(error(a, b) for a, b in zip(y, ref, strict=False))
     return float(np.abs(y - ref).max() / (np.abs(ref).max() + 1e-30))
 
 
@@ -334,7 +333,7 @@ def run_all(args, log) -> None:
         errs = {}
         for k, fn in fns.items():  # first call: warm (JIT, ORT init) and check accuracy
             ys = [fn(x) for x in xs_list]
-            errs[k] = max(error(y, r) for y, r in zip(ys, ref_list))
+            errs[k] = max(error(y, r) for y, r in zip(ys, ref_list, strict=False))
         for _ in range(args.reps if per > 1 else max(2, args.reps - 1)):
             for k, fn in fns.items():
                 times[k] = min(times[k], best_time(lambda fn=fn: [fn(x) for x in xs_list], 1) / per)
@@ -350,12 +349,14 @@ def run_all(args, log) -> None:
     for name, (fmt, ws, ms, xs_all) in sets.items():
         for n in ROWS:
             xs = [x[:n] for x in xs_all]
-            refs = [x @ w.T for x, w in zip(xs, ws)]
+            refs = [x @ w.T for x, w in zip(xs, ws, strict=False)]
             for threads in THREADS:
                 cands = {}
                 cands["larql (numba)"] = _multi([numba_candidate(m, threads)[0] for m in ms])
                 try:
-                    cands["onnxruntime acc4"] = _cached(("ort", name, threads), lambda ms=ms, threads=threads: _multi([ort_candidate(m, threads, 4)[0] for m in ms]))
+                    cands["onnxruntime acc4"] = _cached(
+                        ("ort", name, threads),
+                        lambda ms=ms, threads=threads: _multi([ort_candidate(m, threads, 4)[0] for m in ms]))
                 except Skip:
                     pass
                 if threads == 1:
@@ -412,7 +413,7 @@ def _multi(fns):
     """One callable over all layers: x list -> y list (the measurement passes the list of x)."""
 
     def run(xs):
-        return [f(x) for f, x in zip(fns, xs)]
+        return [f(x) for f, x in zip(fns, xs, strict=False)]
 
     return run
 
@@ -468,7 +469,8 @@ def main(argv=None) -> None:
     simd = " ".join(f for f in ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16") if f" {f}" in flags)
     log(f"kernels benchmark, {time.strftime('%Y-%m-%d %H:%M')}: {cpu}, {os.cpu_count()} CPUs ({simd}); "
         f"load average {os.getloadavg()[0]:.1f} at start")
-    log(f"numpy {np.__version__} (OpenBLAS, pinned per call), numba {numba.__version__}, onnxruntime {onnxruntime.__version__}, mlx {mlx_v}")
+    log(f"numpy {np.__version__} (OpenBLAS, pinned per call), numba {numba.__version__}, "
+        f"onnxruntime {onnxruntime.__version__}, mlx {mlx_v}")
     log(TORCH_NOTE)
     log("")
     run_all(args, log)

@@ -19,6 +19,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from larql_edge.errors import SetupError
+
 TRUE = {"1", "true", "yes", "on"}
 FALSE = {"0", "false", "no", "off", ""}
 BLAS_ENV = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
@@ -172,6 +174,20 @@ def backend_name() -> str:
     if wanted not in ("", "compact", "numpy", "mlx"):
         raise ValueError(f"LARQL_BACKEND={wanted!r}: expected compact, numpy or mlx")
     return wanted
+
+
+def kernel_threads() -> int | None:
+    """``LARQL_KERNEL_THREADS``: threads one compact-weight product may use (None: every CPU allowed)."""
+    env = os.environ.get("LARQL_KERNEL_THREADS", "").strip()
+    if not env:
+        return None
+    try:
+        n = int(env)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise SetupError(f"LARQL_KERNEL_THREADS={env!r}: expected a positive integer")
+    return n
 
 
 def export_blas_threads(threads: int) -> None:

@@ -135,6 +135,13 @@ class QuantError(VindexError):
     kind = "quant"
 
 
+class KernelError(LarqlError, ValueError):
+    """A compact matrix or an input to it is malformed (wrong format, shape, dtype or size): a bug of
+    the caller inside larql-edge, since weights are validated when a vindex is read."""
+
+    kind = "kernel"
+
+
 class SourceError(LarqlError):
     """An extraction source (GGUF, Hugging Face folder, packaged alias) cannot be used."""
 

@@ -1,12 +1,12 @@
-"""Block geometry of the compact formats, and the one error type of this package."""
+"""Block geometry of the compact formats (the package's error type, `KernelError`, is in errors.py)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from larql_edge.errors import KernelError
 
-class KernelError(ValueError):
-    """A compact matrix or an input to it is malformed (wrong format, shape, dtype or size)."""
+__all__ = ["FORMATS", "BlockFormat", "KernelError", "block_format"]
 
 
 @dataclass(frozen=True)

@@ -71,8 +71,8 @@ def quantize_q6_k(w: np.ndarray) -> np.ndarray:
     with np.errstate(divide="ignore", invalid="ignore"):
         sc = np.where(d[:, None] != 0, np.round(scale / d[:, None]), 0).clip(-128, 127).astype(np.int8)
         step = (d[:, None] * sc)[..., None]
-        q = np.where(step != 0, np.round(b / step), 0).clip(-32, 31).astype(np.int16) + 32
-    q = q.astype(np.uint8).reshape(-1, 2, 4, 32)  # [blocks, half, run k, l]: value 128h + 32k + l
+        q16 = np.where(step != 0, np.round(b / step), 0).clip(-32, 31).astype(np.int16) + 32
+    q = q16.astype(np.uint8).reshape(-1, 2, 4, 32)  # [blocks, half, run k, l]: value 128h + 32k + l
     ql = np.empty((q.shape[0], 2, 64), np.uint8)
     ql[:, :, :32] = (q[:, :, 0] & 0xF) | ((q[:, :, 2] & 0xF) << 4)
     ql[:, :, 32:] = (q[:, :, 1] & 0xF) | ((q[:, :, 3] & 0xF) << 4)

@@ -13,20 +13,16 @@ import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+from larql_edge.config import kernel_threads
+
 _lock = threading.Lock()
 _pool: ThreadPoolExecutor | None = None
 _threads = 0
 
 
 def _default_threads() -> int:
-    env = os.environ.get("LARQL_KERNEL_THREADS", "").strip()
-    if env:
-        try:
-            n = int(env)
-        except ValueError:
-            raise ValueError(f"LARQL_KERNEL_THREADS={env!r}: expected a positive integer") from None
-        if n < 1:
-            raise ValueError(f"LARQL_KERNEL_THREADS={env!r}: expected a positive integer")
+    n = kernel_threads()
+    if n is not None:
         return n
     try:
         return max(1, len(os.sched_getaffinity(0)))
