@@ -11,9 +11,10 @@ import pytest
 from larql_edge.format.vindex import Vindex, sha256_file
 from larql_edge.model.forward import Transformer
 from larql_edge.tools.slicer.extract import extract
+from larql_edge.tools.slicer.slice import slice_vindex
 from tests._cli import Run, larql, slicer
 from tests.tinygguf import hf_to_gguf
-from tests.tinymodel import make_tiny_model, reference_logits
+from tests.tinymodel import CHAT_TEMPLATE, make_tiny_model, reference_logits
 
 IDS = [2, 4, 5, 6, 7, 8, 9]
 
@@ -223,3 +224,38 @@ def test_inspect_shows_model_and_files(tiny_models):
         assert needle in r.stdout
     j = json.loads(slicer("inspect", "--json", str(tiny_models["llama"])).stdout)
     assert j["tied"] is False and "lm_head.bin" in j["files"]
+
+
+@pytest.mark.parametrize("source", ["llama", "llama-hf", "gemma3", "gemma3-hf"])
+def test_the_chat_template_and_stop_ids_travel_with_the_tokenizer(tiny_ggufs, tmp_path, source):
+    """tokenizer_config.json / generation_config.json beside tokenizer.json, from GGUF metadata or the
+    HF folder's files, checksummed, and in every preset that has the tokenizer."""
+    out = tmp_path / "v"
+    extract(str(tiny_ggufs[source]), out, level="browse", progress=False, log=lambda m: None)
+    vx = Vindex.open(out)
+    tc, gc = vx.tokenizer_config(), vx.generation_config()
+    if source.startswith("llama"):
+        assert tc["chat_template"] == CHAT_TEMPLATE
+        assert (tc["bos_token"], tc["eos_token"]) == ("<bos>", "<eos>")  # AddedToken dicts flattened
+    else:
+        assert tc["chat_template"] is None  # the packaged Gemma GGUF has none either
+    if not source.endswith("-hf"):  # GGUF: ids from the tokenizer metadata
+        assert gc == {"eos_token_id": [1], "bos_token_id": 2}
+    else:
+        assert gc["eos_token_id"] == [1]
+    assert {"tokenizer_config.json", "generation_config.json"} <= set(vx.checksums)
+    assert vx.verify() == []
+    sliced = tmp_path / "attn"
+    slice_vindex(out, sliced, preset="attn", log=lambda m: None)
+    assert Vindex.open(sliced).tokenizer_config() == tc
+
+
+def test_an_unreadable_tokenizer_config_is_a_vindex_error(tiny_models, tmp_path):
+    import shutil
+
+    from larql_edge.errors import VindexError
+
+    copy = Path(shutil.copytree(tiny_models["llama"], tmp_path / "v"))
+    (copy / "tokenizer_config.json").write_text("[1, 2")
+    with pytest.raises(VindexError, match="tokenizer_config.json: unreadable"):
+        Vindex.open(copy).tokenizer_config()

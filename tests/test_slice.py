@@ -14,14 +14,15 @@ from larql_edge.format.vindex import Vindex
 from larql_edge.tools.slicer.slice import slice_vindex
 from tests._cli import slicer
 
+TOKENIZER = {"tokenizer.json", "tokenizer_config.json", "generation_config.json"}
 EXPECTED = {
-    "client": {"embeddings.bin", "norms.bin", "attn_weights.bin", "tokenizer.json", "weight_manifest.json"},
-    "attn": {"norms.bin", "attn_weights.bin", "tokenizer.json", "weight_manifest.json"},
-    "embed": {"embeddings.bin", "tokenizer.json", "norms.bin", "weight_manifest.json", "lm_head.bin"},
+    "client": {"embeddings.bin", "norms.bin", "attn_weights.bin", "weight_manifest.json"} | TOKENIZER,
+    "attn": {"norms.bin", "attn_weights.bin", "weight_manifest.json"} | TOKENIZER,
+    "embed": {"embeddings.bin", "norms.bin", "weight_manifest.json", "lm_head.bin"} | TOKENIZER,
     "server": {"embeddings.bin", "norms.bin", "gate_vectors.bin", "up_weights.bin", "down_weights.bin",
-               "tokenizer.json", "weight_manifest.json"},
-    "browse": {"embeddings.bin", "gate_vectors.bin", "tokenizer.json"},
-    "router": {"tokenizer.json", "weight_manifest.json"},
+               "weight_manifest.json"} | TOKENIZER,
+    "browse": {"embeddings.bin", "gate_vectors.bin"} | TOKENIZER,
+    "router": {"weight_manifest.json"} | TOKENIZER,
 }
 LEVEL = {"client": "attention", "attn": "attention", "embed": "browse", "server": "browse", "browse": "browse",
          "router": "browse", "all": "all"}

@@ -12,7 +12,7 @@ import gguf
 import numpy as np
 from safetensors.numpy import load_file
 
-from tests.tinymodel import SPECIALS, WORDS
+from tests.tinymodel import CHAT_TEMPLATE, SPECIALS, WORDS
 
 _GGUF_NAMES = {
     "self_attn.q_proj.weight": "attn_q.weight",
@@ -70,6 +70,8 @@ def hf_to_gguf(folder: Path, out: Path, arch: str | None = None, bad_tensor: str
     w.add_bos_token_id(2)
     w.add_eos_token_id(1)
     w.add_add_bos_token(fam == "gemma3")
+    if fam == "llama":
+        w.add_chat_template(CHAT_TEMPLATE)
     names = _GGUF_NAMES | (_GEMMA if fam == "gemma3" else _LLAMA)
     for name, arr in t.items():
         key = name.removeprefix("model.")

@@ -20,6 +20,10 @@ WORDS = (
 ).split()
 
 SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>"]
+# The tiny Llama is a "chat" model (its tokenizer_config.json and GGUF carry this template); the
+# tiny Gemma has none, as the packaged Gemma 3 GGUF has none.
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }} {{ m['content'] }}{{ eos_token }}{% endfor %}"
+                 "{% if add_generation_prompt %}assistant{% endif %}")
 
 
 def build_tokenizer(add_bos: bool) -> Tokenizer:
@@ -96,6 +100,10 @@ def make_tiny_model(folder: Path, family: str, seed: int = 0, tied: bool | None 
         cfg = common | {"model_type": family}
     (folder / "config.json").write_text(json.dumps(cfg, indent=2))
     build_tokenizer(add_bos=family == "gemma3").save(str(folder / "tokenizer.json"))
+    if family == "llama":
+        (folder / "tokenizer_config.json").write_text(json.dumps(
+            {"add_bos_token": False, "bos_token": "<bos>", "eos_token": {"content": "<eos>", "special": True},
+             "chat_template": CHAT_TEMPLATE}, indent=2))
     return folder
 
 

@@ -38,7 +38,8 @@ from .quant import QBlocks, dequantize_matrix
 
 __all__ = [
     "ATTN", "DOWN", "DTYPES", "EMBEDDINGS", "EXTRACT_LEVELS", "FORMAT_VERSION", "GATE", "INDEX", "LM_HEAD",
-    "MANIFEST", "NORMS", "TOKENIZER", "UP", "LayerInfo", "ManifestEntry", "ModelConfig", "Vindex", "VindexIndex",
+    "GENERATION_CONFIG", "MANIFEST", "NORMS", "TOKENIZER", "TOKENIZER_CONFIG",
+    "UP", "LayerInfo", "ManifestEntry", "ModelConfig", "Vindex", "VindexIndex",
     "VindexWriter", "checksum_folder", "level_rank", "sha256_file", "staged_output", "write_index",
 ]  # fmt: skip
 
@@ -52,6 +53,10 @@ UP = "up_weights.bin"
 DOWN = "down_weights.bin"
 LM_HEAD = "lm_head.bin"
 TOKENIZER = "tokenizer.json"
+# Hugging Face's names, as LARQL's extractor copies them: the chat template and special tokens, and
+# the ids that end a generation (a chat model's end-of-turn token among them).
+TOKENIZER_CONFIG = "tokenizer_config.json"
+GENERATION_CONFIG = "generation_config.json"
 LM_HEAD_KEY = "lm_head.weight"
 
 DTYPES = {name: np.dtype("<f2" if name == "f16" else "<f4") for name in DTYPE_NAMES}
@@ -398,6 +403,26 @@ class Vindex:
     @property
     def tokenizer_path(self) -> Path:
         return self.path / TOKENIZER
+
+    def tokenizer_config(self) -> dict[str, Any]:
+        """tokenizer_config.json (chat_template, bos_token, eos_token, ...), {} when the vindex has none."""
+        return self._optional_json(TOKENIZER_CONFIG)
+
+    def generation_config(self) -> dict[str, Any]:
+        """generation_config.json (eos_token_id: the ids that end a generation), {} when absent."""
+        return self._optional_json(GENERATION_CONFIG)
+
+    def _optional_json(self, name: str) -> dict[str, Any]:
+        fp = self.path / name
+        if not fp.is_file():
+            return {}
+        try:
+            data = json.loads(fp.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise VindexError(f"{fp}: unreadable ({e})") from None
+        if not isinstance(data, dict):
+            raise VindexError(f"{fp}: expected a JSON object")
+        return data
 
     # -- verification ----------------------------------------------------------------------------
     def verify(self) -> list[str]:

@@ -33,12 +33,10 @@ def release_freed_memory() -> None:
     after loading; a no-op where there is no glibc.
     """
     import ctypes
-    import ctypes.util
 
-    name = ctypes.util.find_library("c")
+    # The process's own symbol table (libc is in it): find_library("c") would run ldconfig.
     try:
-        libc = ctypes.CDLL(name) if name else None
-        trim = getattr(libc, "malloc_trim", None)
+        trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
     except OSError:
         return
     if trim is not None:

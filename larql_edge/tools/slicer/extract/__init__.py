@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from datetime import datetime, timezone
@@ -13,7 +14,18 @@ from tqdm.auto import tqdm
 from larql_edge.errors import SourceError
 from larql_edge.format.index import QUANTS, ModelConfig, VindexIndex, level_rank
 from larql_edge.format.q4k import ATTN_FORMATS, ATTN_PROJ, FFN_PROJ, NORM_SUFFIXES, Q4kWriter, ffn_formats
-from larql_edge.format.vindex import ATTN, DOWN, LM_HEAD, NORMS, TOKENIZER, UP, VindexWriter, staged_output
+from larql_edge.format.vindex import (
+    ATTN,
+    DOWN,
+    GENERATION_CONFIG,
+    LM_HEAD,
+    NORMS,
+    TOKENIZER,
+    TOKENIZER_CONFIG,
+    UP,
+    VindexWriter,
+    staged_output,
+)
 from larql_edge.tools.slicer.extract._source import PACKAGED, ModelSource, open_source, resolve
 
 __all__ = ["extract", "open_source", "resolve", "PACKAGED", "ModelSource"]
@@ -69,6 +81,11 @@ def extract(
             bar.update()
         with stage("tokenizer", 1) as bar:
             (tmp / TOKENIZER).write_text(src.tokenizer_json())
+            # Beside it, as LARQL's extractor copies them: the chat template and end-of-turn ids a
+            # chat front door (larql-serve) renders and stops with.
+            for name, content in ((TOKENIZER_CONFIG, src.tokenizer_config()),
+                                  (GENERATION_CONFIG, src.generation_config())):
+                (tmp / name).write_text(json.dumps(content, indent=2, ensure_ascii=False) + "\n")
             bar.update()
         with stage("gate", n_layers) as bar:
             for i in range(n_layers):

@@ -7,6 +7,7 @@ model exactly as Hugging Face defines it, whatever the source.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -146,14 +147,43 @@ def open_gguf(path: Path) -> ModelSource:
         if t.tensor_type.name not in SUPPORTED_TYPES:
             raise UnsupportedTensorType(f"{path}: tensor {t.name} has unsupported type {t.tensor_type.name}")
 
-    def tokenizer_json() -> str:
-        from larql_edge.tools.slicer.extract._gguf_tokenizer import read_gguf_metadata, tokenizer_from_gguf
+    @functools.cache
+    def tokenizer_meta() -> dict:
+        from larql_edge.tools.slicer.extract._gguf_tokenizer import read_gguf_metadata
 
-        meta = read_gguf_metadata(reader, prefix="tokenizer.")
+        return read_gguf_metadata(reader, prefix="tokenizer.")
+
+    def tokenizer_json() -> str:
+        from larql_edge.tools.slicer.extract._gguf_tokenizer import tokenizer_from_gguf
+
+        meta = tokenizer_meta()
         try:
             return tokenizer_from_gguf(meta).to_str()
         except ValueError as e:
             raise SourceError(f"{path}: cannot build the tokenizer ({e})") from None
+
+    def tokenizer_config() -> dict:
+        """The chat template and special tokens llama.cpp's server renders chats with."""
+        meta = tokenizer_meta()
+        tokens = meta.get("tokenizer.ggml.tokens") or []
+
+        def token(key: str) -> str | None:
+            i = meta.get(f"tokenizer.ggml.{key}")
+            return str(tokens[int(i)]) if isinstance(i, int) and 0 <= i < len(tokens) else None
+
+        template = meta.get("tokenizer.chat_template")
+        return {"chat_template": template if isinstance(template, str) and template.strip() else None,
+                "bos_token": token("bos_token_id"), "eos_token": token("eos_token_id"),
+                "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", cfg.get("add_bos_token", False)))}
+
+    def generation_config() -> dict:
+        meta = tokenizer_meta()
+        # A chat model ends a turn with its end-of-turn token (Gemma's <end_of_turn>), not only EOS.
+        ids = [meta.get(f"tokenizer.ggml.{k}") for k in ("eos_token_id", "eot_token_id", "eom_token_id")]
+        out: dict = {"eos_token_id": sorted({int(i) for i in ids if isinstance(i, int)})}
+        if isinstance(meta.get("tokenizer.ggml.bos_token_id"), int):
+            out["bos_token_id"] = int(meta["tokenizer.ggml.bos_token_id"])
+        return out
 
     # A Hub-style short name ("gemma-3-270m"), which titles and families are derived from.
     base, size = _scalar(reader, K.General.BASENAME), _scalar(reader, K.General.SIZE_LABEL)
@@ -165,6 +195,8 @@ def open_gguf(path: Path) -> ModelSource:
         keys=set(mapping),
         get=get,
         tokenizer_json=tokenizer_json,
+        tokenizer_config=tokenizer_config,
+        generation_config=generation_config,
         tied=tied,
         info={"type": "gguf", "file": path.name, "architecture": arch},
         blocks=blocks,

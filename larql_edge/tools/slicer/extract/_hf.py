@@ -126,6 +126,26 @@ def open_hf(folder: Path) -> ModelSource:
         reader, name = names[key]
         return reader.get(name)
 
+    def tokenizer_config() -> dict[str, Any]:
+        template = tok_cfg.get("chat_template")
+        if isinstance(template, list):  # named templates: the one called "default" renders chats
+            template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),
+                            None)
+        jinja = folder / "chat_template.jinja"  # transformers >= 4.43 may save the template beside
+        if template is None and jinja.is_file():
+            template = jinja.read_text()
+        return {"chat_template": template if isinstance(template, str) and template.strip() else None,
+                "bos_token": _token_text(tok_cfg.get("bos_token")), "eos_token": _token_text(tok_cfg.get("eos_token")),
+                "add_bos_token": conf["add_bos_token"]}
+
+    def generation_config() -> dict[str, Any]:
+        gen_path = folder / "generation_config.json"
+        gen = _read_json(gen_path) if gen_path.is_file() else {}
+        eos = gen.get("eos_token_id", conf.get("eos_token_id"))
+        out = {k: v for k, v in gen.items() if k in ("bos_token_id", "pad_token_id")}
+        out["eos_token_id"] = sorted({int(i) for i in (eos if isinstance(eos, list) else [eos]) if isinstance(i, int)})
+        return out
+
     return ModelSource(
         family=fam,
         name=str(cfg_all.get("_name_or_path") or folder.name),
@@ -133,9 +153,18 @@ def open_hf(folder: Path) -> ModelSource:
         keys=set(names),
         get=get,
         tokenizer_json=tokenizer_json,
+        tokenizer_config=tokenizer_config,
+        generation_config=generation_config,
         tied=tied,
         info={"type": "safetensors", "folder": folder.name, "model_type": model_type},
     )
+
+
+def _token_text(token: Any) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string or an AddedToken dict."""
+    if isinstance(token, dict):
+        token = token.get("content")
+    return token if isinstance(token, str) else None
 
 
 def _strip(name: str) -> str:

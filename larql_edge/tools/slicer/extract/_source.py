@@ -43,6 +43,11 @@ class ModelSource:
     # the file's own blocks kept where they already are that format (no requantization loss);
     # ``target=None`` keeps its own type (quant: gguf).
     blocks: Callable[[str, str | None], Any] | None = None
+    # What a chat front door needs beside the tokenizer, in Hugging Face's file shapes:
+    # ``tokenizer_config`` -> {"chat_template": str|None, "bos_token": str|None, "eos_token": str|None}
+    # (written as tokenizer_config.json), ``generation_config`` -> {"eos_token_id": [ids], ...}.
+    tokenizer_config: Callable[[], dict[str, Any]] = dict
+    generation_config: Callable[[], dict[str, Any]] = dict
 
 
 def _package_gguf(alias: str) -> Path:
