@@ -288,7 +288,9 @@ def test_command_line_proxies_and_cuts_on_sigusr1():
                     time.sleep(0.05)
         finally:
             proc.terminate()
-            assert proc.wait(10) == 0
+            code = proc.wait(10)
+            proc.stderr.close()  # the pipe, or an unraisable ResourceWarning fails a later test
+            assert code == 0
 
 
 @pytest.mark.parametrize("argv, message", [
