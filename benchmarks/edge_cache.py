@@ -188,7 +188,7 @@ def main() -> None:
             targets = {name: f"{e.url}/v1/embed/{args.token}" for name, e in edges.items()}
             targets["embed server (no cache)"] = f"{origin.url}/v1/embed/{args.token}"
             pids = {name: e.proc.pid for name, e in edges.items()}
-            pids["embed server (no cache)"] = origin.proc.pid
+            pids["embed server (no cache)"] = origin.pid
 
             say(f"# edge_cache  model={model['model']}  hidden={hidden} (row {len(row)} B)  vocab={vocab}  "
                 f"cores={os.cpu_count()} (shared)  embed server: 1 worker, 1 BLAS thread")

@@ -145,6 +145,9 @@ class Grid:
         if command:
             c.with_command(command)
         kwargs = {"labels": {LABEL: SESSION}, **docker_kwargs}  # e.g. read_only=True, tmpfs={...}
+        # testcontainers >= 4.15 passes its own tmpfs= to create(): mounts go through its setter.
+        for path, opts in kwargs.pop("tmpfs", {}).items():
+            c.tmpfs[path] = opts
         if entrypoint:
             kwargs["entrypoint"] = entrypoint
         c.with_kwargs(**kwargs)

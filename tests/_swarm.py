@@ -622,10 +622,13 @@ class Swarm:
                 q.put(None, timeout=600)
             for t in threads:
                 t.join(600)
-        if save.wait(600) != 0:
-            raise CommandError(f"docker save failed: {save.stderr.read().decode()[-2000:]}")
+        # Every pipe closed here: an unclosed one is an unraisable ResourceWarning in a later test.
+        with save.stdout, save.stderr:
+            if save.wait(600) != 0:
+                raise CommandError(f"docker save failed: {save.stderr.read().decode()[-2000:]}")
         for n, p in zip(nodes, loads, strict=True):
-            err = p.stderr.read() if p.stderr else b""
+            with p.stderr:
+                err = p.stderr.read()
             if p.wait(600) != 0:
                 raise CommandError(f"docker load on {n.name} failed: {err.decode()[-2000:]}")
 
@@ -657,6 +660,9 @@ class Swarm:
                     p.wait(10)
                 except subprocess.TimeoutExpired:
                     p.kill()
+                    p.wait(10)
+            if p.stderr is not None:
+                p.stderr.close()
         self._registry.clear()
 
     def _ensure_registry(self) -> tuple[str, str]:

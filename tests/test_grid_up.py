@@ -23,8 +23,9 @@ def _lines(proc: subprocess.Popen) -> queue.Queue:
     q: queue.Queue = queue.Queue()
 
     def pump():
-        for line in proc.stdout:
-            q.put(line)
+        with proc.stdout:  # closed at EOF: an unclosed pipe is an unraisable warning in a later test
+            for line in proc.stdout:
+                q.put(line)
         q.put(None)
 
     threading.Thread(target=pump, daemon=True).start()

@@ -636,7 +636,7 @@ def test_helm_test_script_predicts_through_a_real_grid_with_the_charts_ranges(re
     (tmp_path / "logs").mkdir()
     with _grid.Procs(tmp_path / "logs") as procs:
         grid = _grid.start_grid(procs, gemma_f16, ranges, timeout=300)
-        env = _grid.child_env(**{**env_of(c), "LARQL_FFN": grid["router"].url, "LARQL_VINDEX": str(gemma_f16),
+        env = _grid.server_env(**{**env_of(c), "LARQL_FFN": grid["router"].url, "LARQL_VINDEX": str(gemma_f16),
                                  "LARQL_CACHE_DIR": str(tmp_path / "cache"), "LARQL_TEST_WAIT": "60"})
         proc = subprocess.run([sys.executable, str(tmp_path / "predict.py")], capture_output=True, text=True,
                               timeout=600, env=env, stdin=subprocess.DEVNULL)
@@ -741,8 +741,8 @@ class DockerPods:
         for p in c.get("ports", []):
             args += ["-p", f"127.0.0.1::{p['containerPort']}"]
         config = json.loads(_docker("image", "inspect", "-f", "{{json .Config}}", c["image"]).stdout)
-        args = c.get("args") or ([] if c.get("command") else config.get("Cmd") or [])
-        argv = (c.get("command") or config.get("Entrypoint") or []) + args
+        container_args = c.get("args") or ([] if c.get("command") else config.get("Cmd") or [])
+        argv = (c.get("command") or config.get("Entrypoint") or []) + container_args
         exports = []
         for e in c.get("env", []):
             if "valueFrom" in e:

@@ -22,7 +22,6 @@ Needs root (namespaces, extra dockerds) and a Docker engine; skipped without the
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import subprocess
@@ -117,9 +116,9 @@ class Grid:
         """The attention-only client (the project's own), on this host, listing every router."""
         from larql_edge.format.vindex import Vindex
         from larql_edge.roles.client._build import build_remote
+        from tests._grid import remote_args
 
-        args = argparse.Namespace(embed=None, ffn=",".join(urls or self.routers()), ffn_f16=False,
-                                  timeout=CLIENT_TIMEOUT_S, retries=CLIENT_RETRIES)
+        args = remote_args(ffn=",".join(urls or self.routers()), timeout=CLIENT_TIMEOUT_S, retries=CLIENT_RETRIES)
         return build_remote(Vindex.open(self.vindex), args)
 
     def generate(self, n: int, on_token=None, urls: list[str] | None = None) -> list[int]:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from larql_edge.config import cache_dir
 from larql_edge.format.vindex import Vindex, sha256_file
-from larql_edge.tools.slicer.extract import extract, resolve
+from larql_edge.tools.slicer.extract import EXTRACTOR_REVISION, extract, resolve
 
 
 def source_digest(path: Path) -> str:
@@ -49,7 +49,10 @@ def cached_vindex(source: str, level: str = "all", dtype: str = "f16", progress:
     """Path of a complete vindex for ``source`` (a packaged alias or GGUF path), extracting on first use."""
     kind, path = resolve(source)
     key = source_digest(path) if kind == "gguf" else Path(path).resolve().name
-    name = f"{key[:16]}-{level}-{dtype}" if quant == "none" else f"{key[:16]}-{level}-{quant}"
+    # The extractor's revision is part of the key: a newer larql-edge that writes more (or other)
+    # files for the same source must not be handed an older extraction (e.g. one without the chat
+    # template) from the cache.
+    name = f"{key[:16]}-{level}-{dtype if quant == 'none' else quant}-r{EXTRACTOR_REVISION}"
     out = cache_dir() / "vindex" / name
     _build_once(out, lambda o: extract(str(path), o, level=level, dtype=dtype, force=True, progress=progress, log=log,
                                        quant=quant))

@@ -28,9 +28,13 @@ from larql_edge.format.vindex import (
 )
 from larql_edge.tools.slicer.extract._source import PACKAGED, ModelSource, open_source, resolve
 
-__all__ = ["extract", "open_source", "resolve", "PACKAGED", "ModelSource"]
+__all__ = ["EXTRACTOR_REVISION", "extract", "open_source", "resolve", "PACKAGED", "ModelSource"]
 
 # Fields copied from the source config into index.json.model_config (LARQL names).
+# Bumped whenever extraction writes different files or bytes for the same source (the vindex cache
+# keys on it). 2: tokenizer_config.json and generation_config.json (the chat template, stop ids).
+EXTRACTOR_REVISION = 2
+
 _MODEL_CONFIG_FIELDS = (
     "head_dim", "num_q_heads", "num_kv_heads", "rope_base", "sliding_window", "layer_types",
     "rope_local_base", "sliding_window_pattern", "query_pre_attn_scalar", "final_logit_softcapping",
