@@ -95,10 +95,11 @@ async def logits(request, model_id: str | None = None):
     temperature = rq.temperature_param(query.get("temperature"))
     max_rows = request.app.ctx.cfg.limits.max_batch
     many: np.ndarray | None = None
+    # Checked on every request, as top_k: a wrong ?rows= is a 400 whatever the body.
+    n_rows = rq.int_param(query.get("rows"), "rows", 0, 1, max_rows) if query.get("rows") is not None else None
     if body_kind(request) == BINARY_KIND:
-        if query.get("rows") is not None:
-            n = rq.int_param(query.get("rows"), "rows", 1, 1, max_rows)
-            many = rq.finite(wire.decode_logits_rows_request(request.body, n, m.hidden_size))
+        if n_rows is not None:
+            many = rq.finite(wire.decode_logits_rows_request(request.body, n_rows, m.hidden_size))
         else:
             x = wire.decode_logits_request(request.body, m.hidden_size)
             x = rq.finite(x)
