@@ -91,9 +91,9 @@ class Common:
     logprobs: int | None
 
 
-def common(body: dict, model_id: str, max_tokens_name: str = "max_tokens") -> Common:
+def common(body: dict, model_id: str, max_tokens_name: str = "max_tokens", names: frozenset[str] = frozenset()) -> Common:
     model = body.get("model")
-    if model is not None and model != model_id:
+    if model is not None and model != model_id and model not in names:
         raise api_error(NotFound, f"the model {str(model)[:80]!r} does not exist: this server serves {model_id!r}",
                         "model", "model_not_found")
     n = _int(body, "n", 1, 1, 128)
@@ -128,8 +128,8 @@ def common(body: dict, model_id: str, max_tokens_name: str = "max_tokens") -> Co
                   include_usage, None)
 
 
-def completion_request(body: dict, model_id: str) -> tuple[Common, Any]:
-    c = common(body, model_id)
+def completion_request(body: dict, model_id: str, names: frozenset[str] = frozenset()) -> tuple[Common, Any]:
+    c = common(body, model_id, names=names)
     if c.max_tokens is None:
         c.max_tokens = 16  # OpenAI's default for /v1/completions
     lp = _int(body, "logprobs", None, 0, MAX_LOGPROBS_COMPLETIONS)
@@ -152,8 +152,8 @@ def completion_request(body: dict, model_id: str) -> tuple[Common, Any]:
     raise bad("prompt must be a string, a list of one string, or a list of token ids", "prompt", "invalid_type")
 
 
-def chat_request(body: dict, model_id: str) -> tuple[Common, list[dict]]:
-    c = common(body, model_id, "max_completion_tokens")
+def chat_request(body: dict, model_id: str, names: frozenset[str] = frozenset()) -> tuple[Common, list[dict]]:
+    c = common(body, model_id, "max_completion_tokens", names)
     if _bool(body, "logprobs"):
         c.logprobs = _int(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS_CHAT)
     elif body.get("top_logprobs") is not None:

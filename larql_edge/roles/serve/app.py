@@ -53,6 +53,7 @@ class Served:
     context: int
     chat_template: ChatTemplate | None
     eos_ids: tuple[int, ...]
+    names: frozenset[str] = frozenset()  # every name a request may give for the model (model_id too)
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -147,12 +148,15 @@ def load_tokenizer(vx: Vindex):
         raise VindexError(f"{path}: unreadable tokenizer ({e})") from None
 
 
-def served_model(vx: Vindex, tokenizer, context: int, chat_template_file: str | None) -> Served:
+def served_model(vx: Vindex, tokenizer, context: int, chat_template_file: str | None,
+                 names: tuple[str, ...] = ()) -> Served:
+    """``names``: what /v1/models lists (the first) and requests may say, beside the vindex's own model name."""
     from larql_edge.model.spec import ModelSpec
 
     from .chat import eos_from_generation_config, load_chat_template
 
     spec = ModelSpec.from_index(vx.index)
     eos = tuple(dict.fromkeys(spec.eos_token_ids + eos_from_generation_config(Path(vx.path))))
-    return Served(model_id=vx.model, tokenizer=tokenizer, vocab=spec.vocab_size, context=context,
-                  chat_template=load_chat_template(Path(vx.path), chat_template_file), eos_ids=eos)
+    return Served(model_id=names[0] if names else vx.model, tokenizer=tokenizer, vocab=spec.vocab_size, context=context,
+                  chat_template=load_chat_template(Path(vx.path), chat_template_file), eos_ids=eos,
+                  names=frozenset((*names, vx.model)))

@@ -43,6 +43,8 @@ def build_parser():
           help="rows per step: decoding sequences take one each, prefills share the rest (chunked)")
     f.add("--chat-template", default=None, metavar="FILE",
           help="a Jinja chat template overriding the vindex's tokenizer_config.json [env LARQL_CHAT_TEMPLATE]")
+    f.add("--served-model-name", default=None, metavar="NAME[,ALIAS]",
+          help="the model's name in /v1/models and in requests (default: the vindex's model name, always accepted too)")
     f.add("--timeout", type=float, default=60.0, help="seconds to wait for one grid reply")
     f.add("--retries", type=int, default=10, help="attempts beyond the first for a failed grid request (fail-over)")
     add_server_flags(f, port=8000)
@@ -83,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
         if limits.max_active < 1:
             raise LarqlError(f"--kv-memory-mb {args.kv_memory_mb} holds no sequence of {context} positions: "
                              "raise it or lower --context")
-        served = served_model(vx, load_tokenizer(vx), context, args.chat_template)
+        names = tuple(n.strip() for n in (args.served_model_name or "").split(",") if n.strip())
+        served = served_model(vx, load_tokenizer(vx), context, args.chat_template, names)
     except LarqlError as e:
         print(f"larql-serve: error: {e}", file=sys.stderr)
         return e.exit_code

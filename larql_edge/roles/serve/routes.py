@@ -172,14 +172,14 @@ async def _run(request: Request, c: api.Common, prompt_ids: list[int], chat: boo
 @bp.post("/v1/completions", name="completions")
 async def completions(request: Request):
     served = request.app.ctx.served
-    c, prompt = api.completion_request(_body(request), served.model_id)
+    c, prompt = api.completion_request(_body(request), served.model_id, served.names)
     return await _run(request, c, _prompt_ids(served, prompt, chat=False), chat=False)
 
 
 @bp.post("/v1/chat/completions", name="chat_completions")
 async def chat_completions(request: Request):
     served = request.app.ctx.served
-    c, messages = api.chat_request(_body(request), served.model_id)
+    c, messages = api.chat_request(_body(request), served.model_id, served.names)
     if served.chat_template is None:
         raise api.api_error(BadRequest, f"the model {served.model_id!r} has no chat template (its vindex has no "
                             "tokenizer_config.json chat_template): use /v1/completions, or start larql-serve with "
