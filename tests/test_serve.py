@@ -329,3 +329,14 @@ def test_many_rows_logits_are_the_single_rows_in_one_product(grid):
                       headers={"content-type": "application/x-larql-ffn"}).status_code == 400
     assert httpx.post(grid["embed"].url + "/v1/logits", json={"residuals": []}).status_code == 400
     assert httpx.post(grid["embed"].url + "/v1/logits", json={"residuals": [[0.0] * (hidden + 1)]}).status_code == 400
+
+
+def test_the_remote_head_splits_more_rows_than_the_embed_servers_batch(tiny_models, grid):
+    vx = Vindex.open(tiny_models["gemma3"])
+    engine = remote_engine(vx, grid["router"].url, None, timeout=30, retries=1)
+    x = np.random.default_rng(5).standard_normal((70, engine.spec.hidden_size)).astype(np.float32)
+    many = engine.head.top_k_rows(x, 3)
+    assert len(many) == 70
+    for i in (0, 63, 64, 69):
+        one = engine.head.top_k_rows(x[i : i + 1], 3)[0]
+        assert list(one[0]) == list(many[i][0])

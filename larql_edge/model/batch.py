@@ -88,36 +88,38 @@ class BatchEngine:
     def new_cache(self, context: int) -> SeqCache:
         return SeqCache(self.spec, context)
 
-    def _attention(self, layer: int, x: np.ndarray, chunks: Sequence[Chunk], spans: list[tuple[int, int]]) -> np.ndarray:
+    def _attention(self, layer: int, x: np.ndarray, chunks: Sequence[Chunk], spans: list[tuple[int, int]],
+                   pos_all: np.ndarray, rope: dict) -> np.ndarray:
         s, w, be = self.spec, self.attn[layer], self.backend
         n = x.shape[0]
-        # The projections: one product each over every row of the step.
-        q_all = be.linear(x, w.q).reshape(n, s.num_q_heads, s.head_dim)
-        k_all = be.linear(x, w.k).reshape(n, s.num_kv_heads, s.head_dim)
-        v_all = be.linear(x, w.v).reshape(n, s.num_kv_heads, s.head_dim)
+        # The projections, the q/k norms and RoPE: each one operation over every row of the step
+        # (row-wise arithmetic: every row gets exactly what it would get alone).
+        q_all = be.linear(x, w.q).reshape(n, s.num_q_heads, s.head_dim).transpose(1, 0, 2)
+        k_all = be.linear(x, w.k).reshape(n, s.num_kv_heads, s.head_dim).transpose(1, 0, 2)
+        v_all = be.linear(x, w.v).reshape(n, s.num_kv_heads, s.head_dim).transpose(1, 0, 2)
+        if w.q_norm is not None and w.k_norm is not None:
+            q_all = ops.rms_norm(q_all, w.q_norm, s.rms_norm_eps, s.family.norm_offset)
+            k_all = ops.rms_norm(k_all, w.k_norm, s.rms_norm_eps, s.family.norm_offset)
+        base = s.rope_base_for(layer)
+        if base not in rope:  # two bases at most (sliding and full layers): computed once per step
+            rope[base] = ops.rope_tables(pos_all, s.head_dim, base)
+        cos, sin = rope[base]
+        q_all = ops.apply_rope(q_all, cos, sin)
+        k_all = ops.apply_rope(k_all, cos, sin)
         window = s.sliding_window if s.is_sliding(layer) else None
         out = np.empty((n, s.num_q_heads * s.head_dim), dtype=np.float32)
         for c, (a, b) in zip(chunks, spans, strict=True):
             seq, start = b - a, c.cache.length
-            q = q_all[a:b].transpose(1, 0, 2)
-            k = k_all[a:b].transpose(1, 0, 2)
-            v = v_all[a:b].transpose(1, 0, 2)
-            if w.q_norm is not None and w.k_norm is not None:
-                q = ops.rms_norm(q, w.q_norm, s.rms_norm_eps, s.family.norm_offset)
-                k = ops.rms_norm(k, w.k_norm, s.rms_norm_eps, s.family.norm_offset)
-            pos = np.arange(start, start + seq)
-            cos, sin = ops.rope_tables(pos, s.head_dim, s.rope_base_for(layer))
-            q = ops.apply_rope(q, cos, sin)
-            k = ops.apply_rope(k, cos, sin)
             end = start + seq
-            c.cache.keys[layer][:, start:end] = k
-            c.cache.values[layer][:, start:end] = v
+            # Written in place into the preallocated cache: no re-concatenation.
+            c.cache.keys[layer][:, start:end] = k_all[:, a:b]
+            c.cache.values[layer][:, start:end] = v_all[:, a:b]
             first = 0
             if window is not None and end > window + seq - 1:
                 first = end - (window + seq - 1)  # the keys Transformer.forward keeps: the same arithmetic
             keys, values = c.cache.keys[layer][:, first:end], c.cache.values[layer][:, first:end]
-            out[a:b] = ops.attention(q, keys, values, pos, np.arange(first, end), s.attn_scale, window,
-                                     s.attn_logit_softcapping)
+            out[a:b] = ops.attention(q_all[:, a:b], keys, values, pos_all[a:b], np.arange(first, end), s.attn_scale,
+                                     window, s.attn_logit_softcapping)
         return be.linear(out, w.o)
 
     def forward(self, chunks: Sequence[Chunk]) -> np.ndarray:
@@ -132,10 +134,12 @@ class BatchEngine:
         for c in chunks:
             spans.append((at, at + len(c.ids)))
             at += len(c.ids)
+        pos_all = np.concatenate([np.arange(c.cache.length, c.cache.length + len(c.ids)) for c in chunks])
+        rope: dict = {}
         h = np.asarray(self.embedder.embed(ids), dtype=np.float32)  # one request for every row
         for layer in range(s.num_layers):
             w = self.attn[layer]
-            a = self._attention(layer, ops.rms_norm(h, w.pre_attn_norm, eps, off), chunks, spans)
+            a = self._attention(layer, ops.rms_norm(h, w.pre_attn_norm, eps, off), chunks, spans, pos_all, rope)
             if w.post_attn_norm is not None:
                 a = ops.rms_norm(a, w.post_attn_norm, eps, off)
             h = h + a

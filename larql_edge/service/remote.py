@@ -145,6 +145,8 @@ class RemoteHead:
     (the mass outside them is not offered). ``mode`` says which is in use ("raw" or "top-k JSON").
     """
 
+    MAX_ROWS = 64  # rows per many-rows logits request: the embed server's default --max-batch
+
     def __init__(self, replicas: Replicas, urls: Sequence[str], hidden: int, vocab: int, top_k: int = 64,
                  notice: Callable[[str], None] | None = None):
         self.replicas, self.urls, self.hidden, self.vocab = replicas, list(urls), hidden, vocab
@@ -188,6 +190,8 @@ class RemoteHead:
         batcher multiplies as one lm_head product. larql-serve's head: one request per decode step."""
         rows = np.ascontiguousarray(np.atleast_2d(np.asarray(h, dtype=np.float32)))
         k = max(1, min(k, self.vocab))
+        if rows.shape[0] > self.MAX_ROWS:  # the embed server's max_batch (default): more rows, more requests
+            return [t for i in range(0, rows.shape[0], self.MAX_ROWS) for t in self.top_k_rows(rows[i : i + self.MAX_ROWS], k)]
 
         def decode(r: Reply) -> list[tuple[np.ndarray, np.ndarray]]:
             try:

@@ -17,6 +17,7 @@ from larql_edge.errors import LarqlError
 from larql_edge.service import add_server_flags, pin_blas, serve, setup_logging
 
 log = logging.getLogger("larql.serve")
+MAX_STEP_TOKENS = 2048
 
 
 def build_parser():
@@ -40,7 +41,7 @@ def build_parser():
     f.add("--kv-memory-mb", type=int, default=d.kv_memory_bytes >> 20,
           help="bound on all KV caches together; --max-active is lowered to fit (context x per-position bytes)")
     f.add("--step-tokens", type=int, default=d.step_tokens,
-          help="rows per step: decoding sequences take one each, prefills share the rest (chunked)")
+          help=f"rows per step: decoding sequences take one each, prefills share the rest (chunked); at most {MAX_STEP_TOKENS}")
     f.add("--chat-template", default=None, metavar="FILE",
           help="a Jinja chat template overriding the vindex's tokenizer_config.json [env LARQL_CHAT_TEMPLATE]")
     f.add("--served-model-name", default=None, metavar="NAME[,ALIAS]",
@@ -63,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     if min(args.max_active, args.max_queue + 1, args.kv_memory_mb, args.step_tokens) < 1 or (
             args.context is not None and args.context < 2):
         parser.error("--max-active, --kv-memory-mb, --step-tokens must be >= 1, --max-queue >= 0, --context >= 2")
+    if args.step_tokens > MAX_STEP_TOKENS:  # one step's ids are one /v1/embed request (the embed server takes 4096)
+        parser.error(f"--step-tokens must be at most {MAX_STEP_TOKENS}")
     pin_blas(args.blas_threads)
     from larql_edge.format.vindex import Vindex
     from larql_edge.roles.serve.app import (
