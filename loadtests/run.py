@@ -115,7 +115,7 @@ def default_vindex() -> Path:
 def num_layers(vindex: Path) -> int:
     from larql_edge.format.vindex import Vindex
 
-    return int(Vindex.open(vindex).index["num_layers"])
+    return int(Vindex.open(vindex).num_layers)
 
 
 def layer_split(n: int, parts: int = 2) -> list[str]:
