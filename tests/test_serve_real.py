@@ -28,8 +28,8 @@ def _serve(procs: Procs, vindex: Path, router_url: str, *args: str):
 def gemma(gemma_f32, tmp_path_factory):
     with Procs(tmp_path_factory.mktemp("serve-gemma")) as procs:
         g = start_grid(procs, gemma_f32, ["0-8", "9-17"], timeout=300)
-        s = _serve(procs, gemma_f32, g["router"].url, "--served-model-name", "gemma3-270m", "--max-active", "4",
-                   "--max-queue", "2", "--context", "512")
+        s = _serve(procs, gemma_f32, g["router"].url, "--served-model-name", "gemma3-270m", "--max-active", "8",
+                   "--max-queue", "12", "--context", "512")
         client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=300)
         yield {"client": client, "url": s.url, "router": g["router"].url, "vindex": gemma_f32, "procs": procs}
 
@@ -102,43 +102,54 @@ def test_bad_inputs_are_openai_errors_and_the_server_keeps_serving(gemma, golden
     assert r.choices[0].text == p["greedy_text"][: len(r.choices[0].text)] and r.usage.completion_tokens == 4
 
 
-def test_disconnected_streams_free_their_slots_and_beyond_the_limits_is_429(gemma):
-    """4 active + 2 queued: 6 streams are admitted, the 7th is a 429; closing 3 mid-stream frees them."""
-    url = gemma["url"]
-    release = [threading.Event() for _ in range(6)]
-    seen = [threading.Event() for _ in range(6)]
-    done: list[str | None] = [None] * 6
+def test_disconnecting_10_of_20_streams_frees_them_the_others_finish_and_beyond_the_limits_is_429(gemma):
+    """8 active + 12 queued: 20 streams are admitted, the 21st is a 429 (none 5xx); 10 clients go away
+    mid-stream: the active count falls at once, and the other 10 get their whole, correct text."""
+    url, c = gemma["url"], gemma["client"]
+    prompts = [f"Count slowly from {i} to one hundred:" for i in range(20)]
+    want = {i: c.completions.create(model="gemma3-270m", prompt=prompts[i], max_tokens=24, temperature=0).choices[0].text
+            for i in range(10, 20)}
+    release = threading.Event()
+    done: dict[int, str] = {}
+    statuses: list[int] = []
 
     def stream(i: int) -> None:
-        body = {"model": "gemma3-270m", "prompt": f"Count to one hundred: {i},", "max_tokens": 60, "temperature": 0,
+        body = {"model": "gemma3-270m", "prompt": prompts[i], "max_tokens": 24 if i >= 10 else 400, "temperature": 0,
                 "stream": True}
-        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as r:
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=900) as r:
+            statuses.append(r.status_code)
             text = ""
             for line in r.iter_lines():
-                seen[i].set()
-                if i < 3 and release[i].is_set():
+                if i < 10 and release.wait(0):
                     return  # the client goes away mid-stream
-                text += line
+                if line.startswith("data: {"):
+                    text += json.loads(line[6:])["choices"][0]["text"]
             done[i] = text
 
-    threads = [threading.Thread(target=stream, args=(i,)) for i in range(6)]
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(20)]
     for t in threads:
         t.start()
+        time.sleep(0.02)  # the long ones (0-9) are admitted first and hold the slots
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         stats = httpx.get(url + "/v1/stats").json()
-        if (stats["active"], stats["queued"]) == (4, 2):
+        if (stats["active"], stats["queued"]) == (8, 12):
             break
         time.sleep(0.05)
-    assert (stats["active"], stats["queued"]) == (4, 2), stats
+    assert (stats["active"], stats["queued"]) == (8, 12), stats
     r = httpx.post(url + "/v1/completions", json={"model": "gemma3-270m", "prompt": "x", "max_tokens": 2})
     assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
     assert r.json()["error"]["code"] == "rate_limit_exceeded"
-    for i in range(3):
-        release[i].set()
-    for t in threads:
-        t.join(600)
-    assert all(d is not None and d.rstrip().endswith("data: [DONE]") for d in done[3:]), done[3:]
+    release.set()
+    for t in threads[:10]:
+        t.join(120)
+    # the departed clients' sequences are gone: whatever is active now is of the 10 still listening
+    stats = httpx.get(url + "/v1/stats").json()
+    assert stats["active"] + stats["queued"] <= 10, stats
+    for t in threads[10:]:
+        t.join(900)
+    assert done == want
+    assert all(s == 200 for s in statuses) and len(statuses) == 20
     stats = httpx.get(url + "/v1/stats").json()
     assert stats["active"] == 0 and stats["queued"] == 0
 
