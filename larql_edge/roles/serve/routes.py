@@ -173,7 +173,9 @@ async def _run(request: Request, c: api.Common, prompt_ids: list[int], chat: boo
 async def completions(request: Request):
     served = request.app.ctx.served
     c, prompt = api.completion_request(_body(request), served.model_id, served.names)
-    return await _run(request, c, _prompt_ids(served, prompt, chat=False), chat=False)
+    # Tokenizing a large prompt takes a while: off the event loop, in the app's compute thread.
+    ids = await request.app.ctx.compute.run(_prompt_ids, served, prompt, False)
+    return await _run(request, c, ids, chat=False)
 
 
 @bp.post("/v1/chat/completions", name="chat_completions")
@@ -184,5 +186,9 @@ async def chat_completions(request: Request):
         raise api.api_error(BadRequest, f"the model {served.model_id!r} has no chat template (its vindex has no "
                             "tokenizer_config.json chat_template): use /v1/completions, or start larql-serve with "
                             "--chat-template FILE", "messages", "no_chat_template")
-    text = served.chat_template.render(messages, add_generation_prompt=True)
-    return await _run(request, c, _prompt_ids(served, text, chat=True), chat=True)
+    template = served.chat_template
+
+    def prompt_ids() -> list[int]:  # rendering and tokenizing: off the event loop
+        return _prompt_ids(served, template.render(messages, add_generation_prompt=True), True)
+
+    return await _run(request, c, await request.app.ctx.compute.run(prompt_ids), chat=True)
