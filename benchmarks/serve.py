@@ -135,7 +135,8 @@ def main() -> int:
         asyncio.run(round_of(serve.url, args.model, 2, 4))  # warm-up: connections, the lm_head, the kernels
 
         say(f"larql-serve benchmark: {args.model}, {n_layers} layers, FFN on 2 shards ({', '.join(map(str, ranges))}), "
-            f"{args.tokens} greedy tokens per stream, {os.cpu_count()} CPUs, 1 BLAS thread per process")
+            f"{args.tokens} greedy tokens per stream, {os.cpu_count()} CPUs, 1 BLAS thread per process; "
+            f"load average before: {os.getloadavg()[0]:.2f} (a shared machine: others' work slows every row)")
         say("")
         say(f"{'streams':>7} {'agg tok/s':>10} {'x 1':>6} {'decode tok/s':>12} {'x 1':>6} {'TTFT p50':>9} {'p99':>7} "
             f"{'ITL p50':>8} {'p99':>7} {'FFN req/step':>12} {'head ms/step':>12} {'FFN ms/step':>11} {'step ms':>8}")
@@ -155,6 +156,7 @@ def main() -> int:
                 f"{r['decode_tps'] / base['decode_tps']:>6.2f} {r['ttft_p50'] * 1e3:>7.0f}ms {r['ttft_p99'] * 1e3:>5.0f}ms "
                 f"{r['itl_p50'] * 1e3:>6.0f}ms {r['itl_p99'] * 1e3:>5.0f}ms {per_step:>12.2f} {head_ms:>12.1f} {ffn_ms:>11.1f} "
                 f"{r['wall'] / steps * 1e3:>8.1f}")
+        say(f"load average after: {os.getloadavg()[0]:.2f}")
         say("")
         say("agg tok/s: completion tokens / wall time of the round (prefill included); decode tok/s: tokens after")
         say("the first / (last token - first token of the round); ratios against the 1-stream row of this run.")

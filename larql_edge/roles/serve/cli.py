@@ -43,7 +43,7 @@ def build_parser():
     f.add("--step-tokens", type=int, default=d.step_tokens,
           help=f"rows per step: decoding sequences take one each, prefills share the rest (chunked); at most {MAX_STEP_TOKENS}")
     f.add("--chat-template", default=None, metavar="FILE",
-          help="a Jinja chat template overriding the vindex's tokenizer_config.json [env LARQL_CHAT_TEMPLATE]")
+          help="a Jinja chat template overriding the vindex's tokenizer_config.json chat_template")
     f.add("--served-model-name", default=None, metavar="NAME[,ALIAS]",
           help="the model's name in /v1/models and in requests (default: the vindex's model name, always accepted too)")
     f.add("--timeout", type=float, default=60.0, help="seconds to wait for one grid reply")
