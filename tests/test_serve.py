@@ -340,3 +340,41 @@ def test_the_remote_head_splits_more_rows_than_the_embed_servers_batch(tiny_mode
     for i in (0, 63, 64, 69):
         one = engine.head.top_k_rows(x[i : i + 1], 3)[0]
         assert list(one[0]) == list(many[i][0])
+
+
+def test_chat_template_from_the_vindex_the_override_and_a_template_that_raises(tmp_path):
+    from larql_edge.errors import BadRequest
+    from larql_edge.roles.serve.chat import eos_from_generation_config, load_chat_template
+
+    assert load_chat_template(tmp_path, None) is None  # no tokenizer_config.json: no chat
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": TEMPLATE, "bos_token": {"content": "<s>"}, "eos_token": "</s>"}))
+    t = load_chat_template(tmp_path, None)
+    assert t is not None
+    assert t.render([{"role": "user", "content": "hi"}]) == "<s><user>hi\n<assistant>"
+    assert t.render([{"role": "user", "content": "hi"}], add_generation_prompt=False) == "<s><user>hi\n"
+    override = tmp_path / "t.jinja"
+    override.write_text("{% if messages[0]['role'] != 'system' %}{{ raise_exception('system first') }}{% endif %}"
+                        "{{ eos_token }}")
+    t2 = load_chat_template(tmp_path, str(override))
+    assert t2 is not None and t2.render([{"role": "system", "content": ""}]) == "</s>"
+    with pytest.raises(BadRequest, match="system first"):
+        t2.render([{"role": "user", "content": "x"}])
+    # the sandbox: no attribute escapes to Python internals
+    (tmp_path / "evil.jinja").write_text("{{ messages.__class__.__mro__ }}")
+    with pytest.raises(BadRequest):
+        load_chat_template(tmp_path, str(tmp_path / "evil.jinja")).render([{"role": "user", "content": "x"}])
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 106]}))
+    assert eos_from_generation_config(tmp_path) == (1, 106)
+
+
+def test_sampling_with_a_seed_is_reproducible_and_top_p_narrows_it(serve):
+    body = {"prompt": [1, 2, 3], "max_tokens": 12, "temperature": 1.5, "seed": 7, "logprobs": 1}
+    a = httpx.post(serve.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]
+    b = httpx.post(serve.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]
+    assert a["logprobs"]["tokens"] == b["logprobs"]["tokens"]
+    # top_p that keeps only the most likely candidate is greedy
+    narrow = httpx.post(serve.url + "/v1/completions", timeout=60,
+                        json=body | {"top_p": 1e-6, "seed": 3}).json()["choices"][0]["logprobs"]["tokens"]
+    greedy = _complete(serve.url, prompt=[1, 2, 3], max_tokens=12, logprobs=1).json()["choices"][0]["logprobs"]["tokens"]
+    assert narrow == greedy

@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from larql_edge.errors import LarqlError, TooManyRequests
+from larql_edge.errors import LarqlError, ServiceUnavailable, TooManyRequests
 from larql_edge.model.batch import BatchEngine, Chunk, SeqCache
 
 log = logging.getLogger("larql.serve")
@@ -198,10 +198,16 @@ class Scheduler:
                     return
                 while self.waiting and len(self.active) < self.max_active:
                     s = self.waiting.popleft()
-                    if not s.cancelled:
+                    if s.cancelled:
+                        continue
+                    try:
                         # Allocated here, between steps: address space only until positions are written.
                         s.cache = self.engine.new_cache(self.context)
-                        self.active.append(s)
+                    except MemoryError as e:  # the thread lives on: this caller hears a 503, the others go on
+                        self._finish(s, None, ServiceUnavailable(f"no memory for a KV cache of {self.context} "
+                                                                 f"positions ({e})"))
+                        continue
+                    self.active.append(s)
                 batch = list(self.active)
             try:
                 self._step(batch)
