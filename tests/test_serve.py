@@ -378,3 +378,19 @@ def test_sampling_with_a_seed_is_reproducible_and_top_p_narrows_it(serve):
                         json=body | {"top_p": 1e-6, "seed": 3}).json()["choices"][0]["logprobs"]["tokens"]
     greedy = _complete(serve.url, prompt=[1, 2, 3], max_tokens=12, logprobs=1).json()["choices"][0]["logprobs"]["tokens"]
     assert narrow == greedy
+
+
+def test_schemathesis_finds_no_failure(tiny_models, grid):
+    """Every schemathesis check against the document narrowed to this deployment (its vocabulary and
+    context), as the other roles' documents are (tests/test_openapi.py)."""
+    import os
+
+    from larql_edge.roles.serve.openapi import openapi_spec
+    from tests._schemathesis import run
+
+    with _serve(tiny_models["gemma3"], grid["router"].url, Limits(context=256), chat=True) as s:
+        doc = openapi_spec(httpx.get(s.url + "/v1/stats").json())
+        report = run(doc, s.url, max_examples=int(os.environ.get("SCHEMATHESIS_EXAMPLES", "5")))
+        assert report.cases > 100
+        assert not report.failures and not report.errors, str(report)
+        assert _complete(s.url, prompt="a", max_tokens=2).status_code == 200  # and it still serves

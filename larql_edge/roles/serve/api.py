@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from larql_edge.errors import BadRequest, LarqlError, NotFound
+from larql_edge.wire.numbers import json_int
 
 MAX_STOP = 4  # OpenAI's limit on stop sequences
 MAX_LOGPROBS_COMPLETIONS = 5
@@ -59,10 +60,11 @@ def _number(body: dict, name: str, default: float, lo: float, hi: float) -> floa
 
 
 def _int(body: dict, name: str, default: int | None, lo: int, hi: int) -> int | None:
-    v = body.get(name)
-    if v is None:
+    raw = body.get(name)
+    if raw is None:
         return default
-    if type(v) is not int:
+    v = json_int(raw)  # 3 or 3.0, as JSON Schema's integer; never a boolean or a string
+    if v is None:
         raise bad(f"{name} must be an integer", name, "invalid_type")
     if not lo <= v <= hi:
         raise bad(f"{name}={v} is out of range [{lo}, {hi}]", name)
@@ -93,6 +95,8 @@ class Common:
 
 def common(body: dict, model_id: str, max_tokens_name: str = "max_tokens", names: frozenset[str] = frozenset()) -> Common:
     model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise bad("model must be a string", "model", "invalid_type")
     if model is not None and model != model_id and model not in names:
         raise api_error(NotFound, f"the model {str(model)[:80]!r} does not exist: this server serves {model_id!r}",
                         "model", "model_not_found")
@@ -100,8 +104,9 @@ def common(body: dict, model_id: str, max_tokens_name: str = "max_tokens", names
     if n != 1:
         raise bad("n must be 1: one choice per request", "n")
     max_tokens = _int(body, max_tokens_name, None, 1, 1 << 30)
-    if max_tokens is None and max_tokens_name != "max_tokens":
-        max_tokens = _int(body, "max_tokens", None, 1, 1 << 30)
+    if max_tokens_name != "max_tokens":  # chat: max_completion_tokens wins; max_tokens is still checked
+        legacy = _int(body, "max_tokens", None, 1, 1 << 30)
+        max_tokens = legacy if max_tokens is None else max_tokens
     stop = body.get("stop")
     if stop is None:
         stops: tuple[str, ...] = ()
@@ -117,12 +122,12 @@ def common(body: dict, model_id: str, max_tokens_name: str = "max_tokens", names
     if opts is not None and not isinstance(opts, dict):
         raise bad("stream_options must be an object", "stream_options", "invalid_type")
     stream = _bool(body, "stream")
-    include_usage = bool(opts and _bool(opts, "include_usage"))
-    if opts is not None and not stream:
-        raise bad("stream_options is only allowed with stream: true", "stream_options")
+    include_usage = bool(opts and _bool(opts, "include_usage")) and stream  # without a stream: no usage chunk
     seed = body.get("seed")
-    if seed is not None and (type(seed) is not int or not -(2**63) <= seed < 2**64):
-        raise bad("seed must be an integer", "seed", "invalid_type")
+    if seed is not None:
+        seed = json_int(seed)
+        if seed is None or not -(2**63) <= seed < 2**64:
+            raise bad("seed must be an integer in [-2**63, 2**64)", "seed", "invalid_type")
     return Common(model_id, max_tokens, _number(body, "temperature", 1.0, 0.0, 2.0),
                   _number(body, "top_p", 1.0, 0.0, 1.0) or 1e-9, None if seed is None else abs(seed), stops, stream,
                   include_usage, None)
@@ -145,7 +150,7 @@ def completion_request(body: dict, model_id: str, names: frozenset[str] = frozen
         if not prompt:
             raise bad("prompt is empty", "prompt")
         return c, prompt
-    if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+    if isinstance(prompt, list) and prompt and all(json_int(t) is not None for t in prompt):
         return c, [int(t) for t in prompt]
     if prompt is None:
         raise bad("prompt is required", "prompt", "missing_required_parameter")
@@ -154,10 +159,9 @@ def completion_request(body: dict, model_id: str, names: frozenset[str] = frozen
 
 def chat_request(body: dict, model_id: str, names: frozenset[str] = frozenset()) -> tuple[Common, list[dict]]:
     c = common(body, model_id, "max_completion_tokens", names)
+    top = _int(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS_CHAT)  # checked always; used with logprobs: true
     if _bool(body, "logprobs"):
-        c.logprobs = _int(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS_CHAT)
-    elif body.get("top_logprobs") is not None:
-        raise bad("top_logprobs needs logprobs: true", "top_logprobs")
+        c.logprobs = top
     msgs = body.get("messages")
     if msgs is None:
         raise bad("messages is required", "messages", "missing_required_parameter")

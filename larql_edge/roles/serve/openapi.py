@@ -2,7 +2,10 @@
 
 The committed copy ``openapi/serve.json`` is ``openapi_spec()`` (a test keeps the two equal and checks
 that every route is described); regenerate it with
-``python -m larql_edge.roles.serve.openapi > openapi/serve.json``. The request and reply bodies are
+``python -m larql_edge.roles.serve.openapi > openapi/serve.json``. ``openapi_spec(stats)``, given a
+running server's ``/v1/stats``, also bounds what depends on the deployment (token ids below the
+vocabulary; prompts and messages short enough for the context, tokens being at most 4 per character),
+which is what the schemathesis test runs against. The request and reply bodies are
 OpenAI's (https://platform.openai.com/docs/api-reference); only what larql-serve takes is listed.
 """
 
@@ -19,18 +22,31 @@ OPENAI_ERROR = {
         "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}},
 }
 _integer, _number, _string, _bool = {"type": "integer"}, {"type": "number"}, {"type": "string"}, {"type": "boolean"}
-_stop = {"oneOf": [_string, {"type": "array", "items": _string, "maxItems": 4}, {"type": "null"}]}
+def _n(schema: dict) -> dict:
+    """Nullable: larql-serve takes null as "not given" (the default), as the OpenAI API does."""
+    if "type" in schema:
+        t = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
+        return dict(schema, type=[*t, "null"])
+    return {"anyOf": [schema, {"type": "null"}]}
+
+
+_stop_item = {"type": "string", "minLength": 1}
+_stop = {"oneOf": [_stop_item, {"type": "array", "items": _stop_item, "maxItems": 4}, {"type": "null"}]}
+_MAX_TOKENS = {"type": "integer", "minimum": 1, "maximum": 1 << 30,
+               "description": "At most this many tokens (never beyond the context)"}
 _COMMON = {
-    "model": _string,
-    "max_tokens": {"type": "integer", "minimum": 1},
-    "temperature": {"type": "number", "minimum": 0, "maximum": 2},
-    "top_p": {"type": "number", "minimum": 0, "maximum": 1},
-    "seed": _integer,
+    "model": _n(_string),
+    "max_tokens": _n(_MAX_TOKENS),
+    "temperature": _n({"type": "number", "minimum": 0, "maximum": 2}),
+    "top_p": _n({"type": "number", "minimum": 0, "maximum": 1}),
+    "seed": _n({"type": "integer", "minimum": -(2**63), "maximum": 2**64 - 1}),
     "stop": _stop,
-    "n": {"const": 1},
-    "stream": _bool,
-    "stream_options": {"type": "object", "properties": {"include_usage": _bool}},
+    "n": {"enum": [1, None]},
+    "stream": _n(_bool),
+    "stream_options": _n({"type": "object", "properties": {"include_usage": _n(_bool)}}),
 }
+SSE_EVENT = {"type": "object", "required": ["data"], "properties": {"data": {
+    "type": "string", "description": "A chunk object as JSON (text_completion / chat.completion.chunk), or [DONE] last"}}}
 USAGE = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
          "properties": {"prompt_tokens": _integer, "completion_tokens": _integer, "total_tokens": _integer}}
 
@@ -45,7 +61,7 @@ def _op(op_id: str, summary: str, request: str, reply: str) -> dict:
         "requestBody": {"required": True, "content": {JSON: {"schema": ref(request)}}},
         "responses": {
             "200": {"description": "The completion (JSON), or with stream: true server-sent events ending data: [DONE]",
-                    "content": {JSON: {"schema": ref(reply)}, "text/event-stream": {"schema": _string}}},
+                    "content": {JSON: {"schema": ref(reply)}, "text/event-stream": {"schema": SSE_EVENT}}},
             "400": _err("A bad parameter (param names it), a prompt longer than the context, no chat template"),
             "404": _err("Unknown model"),
             "413": _err("A body over max_body_bytes"),
@@ -56,7 +72,30 @@ def _op(op_id: str, summary: str, request: str, reply: str) -> dict:
     }}
 
 
-def openapi_spec() -> dict:
+def _prompt(stats: dict | None) -> dict:
+    text = {"type": "string", "minLength": 1}
+    ids = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+    if stats is not None:
+        ctx = int(stats["limits"]["context"])
+        text["maxLength"] = max(1, (ctx - 2) // 4)
+        ids["items"]["maximum"] = int(stats["vocab_size"]) - 1
+        ids["maxItems"] = ctx - 1
+    return {"oneOf": [text, {"type": "array", "items": text, "minItems": 1, "maxItems": 1}, ids]}
+
+
+def _messages(stats: dict | None) -> dict:
+    short = {"type": "string"}
+    out: dict = {"type": "array", "minItems": 1, "items": {
+        "type": "object", "required": ["role"], "properties": {"role": short, "content": {"type": ["string", "null"]}}}}
+    if stats is not None:  # what the chat template adds is unknown here: a generous share of the context
+        n = max(1, int(stats["limits"]["context"]) // 128)
+        out["maxItems"] = n
+        out["items"]["properties"] = {"role": {"type": "string", "maxLength": 8},
+                                      "content": {"type": ["string", "null"], "maxLength": 8}}
+    return out
+
+
+def openapi_spec(stats: dict | None = None) -> dict:
     paths = {
         "/v1/completions": _op("completions", "Complete a prompt", "CompletionRequest", "Completion"),
         "/v1/chat/completions": _op("chatCompletions", "Answer chat messages (the model's chat template)",
@@ -69,15 +108,12 @@ def openapi_spec() -> dict:
     schemas = {
         "OpenAIError": OPENAI_ERROR,
         "CompletionRequest": {"type": "object", "required": ["prompt"], "properties": _COMMON | {
-            "prompt": {"oneOf": [_string, {"type": "array", "items": _string, "minItems": 1, "maxItems": 1},
-                                 {"type": "array", "items": _integer, "minItems": 1}]},
+            "prompt": _prompt(stats),
             "logprobs": {"type": ["integer", "null"], "minimum": 0, "maximum": 5}}},
         "ChatCompletionRequest": {"type": "object", "required": ["messages"], "properties": _COMMON | {
-            "max_completion_tokens": {"type": "integer", "minimum": 1},
-            "messages": {"type": "array", "minItems": 1, "items": {
-                "type": "object", "required": ["role"],
-                "properties": {"role": _string, "content": {"type": ["string", "array", "null"]}}}},
-            "logprobs": _bool, "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20}}},
+            "max_completion_tokens": _n(_MAX_TOKENS),
+            "messages": _messages(stats),
+            "logprobs": _n(_bool), "top_logprobs": _n({"type": "integer", "minimum": 0, "maximum": 20})}},
         "Completion": {"type": "object", "required": ["id", "object", "created", "model", "choices", "usage"],
                        "properties": {"id": _string, "object": {"const": "text_completion"}, "created": _integer,
                                       "model": _string, "choices": {"type": "array"}, "usage": USAGE}},

@@ -39,6 +39,7 @@ from larql_edge.model.batch import BatchEngine, Chunk, SeqCache
 log = logging.getLogger("larql.serve")
 
 HEAD_TOP_K = 64  # candidates the head returns per row: sampling draws among them
+MIN_TEMPERATURE = 1e-3  # below: greedy (as the embed server's /v1/logits; smaller ones overflow the scaled logits)
 
 
 @dataclass
@@ -100,9 +101,9 @@ class Seq:
 def sample(ids: np.ndarray, lps: np.ndarray, p: Params, rng: np.random.Generator) -> int:
     """Greedy (temperature 0): the first candidate, exactly argmax. Otherwise temperature, then the
     smallest prefix of candidates whose probability reaches top_p, then one draw."""
-    if p.temperature <= 0:
+    if p.temperature < MIN_TEMPERATURE:  # 0, or so close to it that lps / T overflows: the limit is argmax
         return int(ids[0])
-    z = lps / p.temperature
+    z = np.asarray(lps, dtype=np.float64) / p.temperature
     z = z - z.max()
     prob = np.exp(z)
     prob /= prob.sum()
