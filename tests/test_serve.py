@@ -394,3 +394,20 @@ def test_schemathesis_finds_no_failure(tiny_models, grid):
         assert report.cases > 100
         assert not report.failures and not report.errors, str(report)
         assert _complete(s.url, prompt="a", max_tokens=2).status_code == 200  # and it still serves
+
+
+def test_a_chunked_prefill_gives_the_tokens_of_a_whole_one_and_does_not_stall_decoding(tiny_models, grid, serve):
+    prompt = [(7 * i) % 40 + 1 for i in range(40)]
+    whole = _complete(serve.url, prompt=prompt, max_tokens=6, logprobs=1).json()["choices"][0]["logprobs"]["tokens"]
+    with _serve(tiny_models["gemma3"], grid["router"].url, Limits(context=64, step_tokens=8)) as s:
+        chunked = _complete(s.url, prompt=prompt, max_tokens=6, logprobs=1).json()
+        assert chunked["choices"][0]["logprobs"]["tokens"] == whole
+        stats = httpx.get(s.url + "/v1/stats").json()["scheduler"]
+        assert stats["steps"] >= 40 // 8 + 5  # the prompt took 5 steps of at most 8 rows
+        assert stats["rows"] / stats["steps"] <= 8
+
+
+def test_a_body_over_the_limit_is_an_openai_413(serve):
+    r = httpx.post(serve.url + "/v1/completions", content=b'{"prompt": "' + b"a" * (5 << 20) + b'"}',
+                   headers={"content-type": "application/json"}, timeout=60)
+    _error(r, 413)
