@@ -240,7 +240,10 @@ class Scheduler:
             owners.append(s)
         if not chunks:
             return
-        k = max([HEAD_TOP_K] + [(s.params.logprobs or 0) + 1 for s in owners])
+        # Candidates the head returns: greedy needs only the first, sampling HEAD_TOP_K, logprobs n + 1
+        # (a smaller reply to build, send and parse for an all-greedy step).
+        k = max(1 if s.params.temperature < MIN_TEMPERATURE else HEAD_TOP_K for s in owners)
+        k = max([k] + [(s.params.logprobs or 0) + 1 for s in owners])
         t0 = time.perf_counter()
         tops = self.engine.step(chunks, k)
         self.last_step_ms = (time.perf_counter() - t0) * 1e3
