@@ -2,7 +2,7 @@
 (and --streams ...) concurrent streams, each as a ratio to the 1-stream figures measured in this run;
 and the FFN requests per step (the number of layers, whatever the concurrency: continuous batching).
 
-    python benchmarks/serve.py [--model gemma3-270m] [--tokens 32] [--streams 1,4,16] [--out benchmarks/results/serve.txt]
+    python benchmarks/serve.py [--model gemma3-270m] [--tokens 32] [--streams 1,4,16] [--rounds 3] [--out benchmarks/results/serve.txt]
 
 Router, embed server, two FFN shards and larql-serve run as local processes on loopback, 1 BLAS thread
 each (as `larql-grid up` starts them). The clients are SSE streams (httpx, asyncio) with different
@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -101,6 +102,7 @@ def main() -> int:
     ap.add_argument("--vindex", default=None, help="one vindex for every role (default: the cached slices)")
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--streams", default="1,4,16")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds through every level (medians reported)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "serve.txt"))
     args = ap.parse_args()
     levels = [int(x) for x in args.streams.split(",")]
@@ -140,22 +142,34 @@ def main() -> int:
         say("")
         say(f"{'streams':>7} {'agg tok/s':>10} {'x 1':>6} {'decode tok/s':>12} {'x 1':>6} {'TTFT p50':>9} {'p99':>7} "
             f"{'ITL p50':>8} {'p99':>7} {'FFN req/step':>12} {'head ms/step':>12} {'FFN ms/step':>11} {'step ms':>8}")
-        base = None
+        # Rounds cycle through every level (1, 4, 16, ...; again), and each level's figures are the medians
+        # over its rounds: the ratios compare levels measured under the same neighbours' load.
+        runs: dict[int, list[dict]] = {n: [] for n in levels}
+        for _ in range(args.rounds):
+            for n in levels:
+                s0 = httpx.get(serve.url + "/v1/stats").json()["scheduler"]["steps"]
+                f0 = ffn_requests([s.url for s in shards])
+                h0 = metric_sum(embed.url, "larql_embed_logits_batch_duration_seconds")
+                c0 = sum(metric_sum(s.url, "larql_ffn_layer_duration_seconds") for s in shards)
+                r = asyncio.run(round_of(serve.url, args.model, n, args.tokens))
+                steps = max(1, httpx.get(serve.url + "/v1/stats").json()["scheduler"]["steps"] - s0)
+                r["per_step"] = (ffn_requests([s.url for s in shards]) - f0) / steps
+                r["head_ms"] = (metric_sum(embed.url, "larql_embed_logits_batch_duration_seconds") - h0) / steps * 1e3
+                r["ffn_ms"] = (sum(metric_sum(s.url, "larql_ffn_layer_duration_seconds") for s in shards) - c0) / steps * 1e3
+                r["step_ms"] = r["wall"] / steps * 1e3
+                runs[n].append(r)
+        med = {n: {k: statistics.median(r[k] for r in rs) for k in rs[0] if isinstance(rs[0][k], (int, float))}
+               for n, rs in runs.items()}
+        base = med[levels[0]]
         for n in levels:
-            s0 = httpx.get(serve.url + "/v1/stats").json()["scheduler"]["steps"]
-            f0 = ffn_requests([s.url for s in shards])
-            h0 = metric_sum(embed.url, "larql_embed_logits_batch_duration_seconds")
-            c0 = sum(metric_sum(s.url, "larql_ffn_layer_duration_seconds") for s in shards)
-            r = asyncio.run(round_of(serve.url, args.model, n, args.tokens))
-            steps = max(1, httpx.get(serve.url + "/v1/stats").json()["scheduler"]["steps"] - s0)
-            per_step = (ffn_requests([s.url for s in shards]) - f0) / steps
-            head_ms = (metric_sum(embed.url, "larql_embed_logits_batch_duration_seconds") - h0) / steps * 1e3
-            ffn_ms = (sum(metric_sum(s.url, "larql_ffn_layer_duration_seconds") for s in shards) - c0) / steps * 1e3
-            base = base or r
+            r = med[n]
             say(f"{n:>7} {r['agg_tps']:>10.1f} {r['agg_tps'] / base['agg_tps']:>6.2f} {r['decode_tps']:>12.1f} "
                 f"{r['decode_tps'] / base['decode_tps']:>6.2f} {r['ttft_p50'] * 1e3:>7.0f}ms {r['ttft_p99'] * 1e3:>5.0f}ms "
-                f"{r['itl_p50'] * 1e3:>6.0f}ms {r['itl_p99'] * 1e3:>5.0f}ms {per_step:>12.2f} {head_ms:>12.1f} {ffn_ms:>11.1f} "
-                f"{r['wall'] / steps * 1e3:>8.1f}")
+                f"{r['itl_p50'] * 1e3:>6.0f}ms {r['itl_p99'] * 1e3:>5.0f}ms {r['per_step']:>12.2f} {r['head_ms']:>12.1f} "
+                f"{r['ffn_ms']:>11.1f} {r['step_ms']:>8.1f}")
+        say(f"(medians of {args.rounds} rounds per level; the ratios per round at the largest level: "
+            + ", ".join(f"{x['decode_tps'] / y['decode_tps']:.2f}" for x, y in zip(runs[levels[-1]], runs[levels[0]], strict=True))
+            + ")")
         say(f"load average after: {os.getloadavg()[0]:.2f}")
         say("")
         say("agg tok/s: completion tokens / wall time of the round (prefill included); decode tok/s: tokens after")
