@@ -322,6 +322,11 @@ def test_many_rows_logits_are_the_single_rows_in_one_product(grid):
                         headers={"content-type": "application/x-larql-ffn"}).json()["rows"]
     ids = lambda rows: [[t["token_id"] for t in row] for row in rows]  # noqa: E731
     assert ids(many) == ids(singles) == ids(binary)
+    # one lm_head product for all the rows of a request
+    before = httpx.get(grid["embed"].url + "/v1/stats").json()["logits_batching"]
+    httpx.post(grid["embed"].url + "/v1/logits", json={"residuals": x.tolist(), "top_k": 1}).raise_for_status()
+    after = httpx.get(grid["embed"].url + "/v1/stats").json()["logits_batching"]
+    assert (after["batches"] - before["batches"], after["rows"] - before["rows"]) == (1, 5)
     raw = httpx.post(grid["embed"].url + "/v1/logits?rows=5", content=ew.encode_logits_rows_request(x),
                      headers={"content-type": "application/x-larql-ffn", "accept": "application/x-larql-ffn"})
     assert raw.status_code == 200 and len(raw.content) == 5 * int(stats["vocab_size"]) * 4
