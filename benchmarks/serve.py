@@ -1,8 +1,8 @@
-"""larql-serve benchmark: aggregate decode tokens/s and p50/p99 TTFT / inter-token latency at 1, 4, 16
+"""larql-serve benchmark: aggregate decode tokens/s and p50/p99 TTFT / inter-token latency at 1, 4, 16, 32
 (and --streams ...) concurrent streams, each as a ratio to the 1-stream figures measured in this run;
 and the FFN requests per step (the number of layers, whatever the concurrency: continuous batching).
 
-    python benchmarks/serve.py [--model gemma3-270m] [--tokens 32] [--streams 1,4,16] [--rounds 3] [--out benchmarks/results/serve.txt]
+    python benchmarks/serve.py [--model gemma3-270m] [--tokens 32] [--streams 1,4,16,32] [--rounds 3] [--out benchmarks/results/serve.txt]
 
 Router, embed server, two FFN shards and larql-serve run as local processes on loopback, 1 BLAS thread
 each (as `larql-grid up` starts them). The clients are SSE streams (httpx, asyncio) with different
@@ -101,7 +101,7 @@ def main() -> int:
     ap.add_argument("--model", default="gemma3-270m")
     ap.add_argument("--vindex", default=None, help="one vindex for every role (default: the cached slices)")
     ap.add_argument("--tokens", type=int, default=32)
-    ap.add_argument("--streams", default="1,4,16")
+    ap.add_argument("--streams", default="1,4,16,32")
     ap.add_argument("--rounds", type=int, default=3, help="rounds through every level (medians reported)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "serve.txt"))
     args = ap.parse_args()
