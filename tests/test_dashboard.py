@@ -34,13 +34,7 @@ RULES = ROOT / "deploy" / "prometheus" / "alerts.yml"
 EXPECTED_FROM_LEAD = frozenset({
     "larql_embed_inflight", "larql_ffn_inflight", "larql_router_inflight",
     "larql_embed_resident_memory_bytes", "larql_ffn_resident_memory_bytes",
-    "larql_router_resident_memory_bytes", "larql_serve_resident_memory_bytes",
-    "larql_serve_requests_total",
-    "larql_serve_request_duration_seconds_bucket",
-    "larql_serve_time_to_first_token_seconds_bucket", "larql_serve_time_to_first_token_seconds_count",
-    "larql_serve_inter_token_latency_seconds_bucket", "larql_serve_inter_token_latency_seconds_count",
-    "larql_serve_active_sequences", "larql_serve_queued_sequences",
-    "larql_serve_generated_tokens_total", "larql_serve_prompt_tokens_total",
+    "larql_router_resident_memory_bytes",
 })
 # Made by Prometheus itself, not by a role.
 PROMETHEUS_SERIES = frozenset({"up"})

@@ -83,10 +83,15 @@ def test_durations_parse():
 
 @pytest.mark.multiprocess
 def test_serve_scenario_without_a_server_is_a_setup_error(tmp_path):
-    if loadrun.serve_cli():
-        pytest.skip("larql-serve is installed: the scenario would start it")
+    # Never a skip (CI fails skips): run.py finds larql-serve on PATH only, so a PATH without it is a machine
+    # where it is not installed, whether or not this one has it.
+    import os
+    import shutil
+
+    path = os.pathsep.join(d for d in os.environ.get("PATH", "").split(os.pathsep)
+                           if d and shutil.which("larql-serve", path=d) is None)
     r = subprocess.run([sys.executable, str(RUN), "serve", "-d", "5s", "--out", str(tmp_path)], capture_output=True,
-                       text=True, timeout=120, cwd=ROOT)
+                       text=True, timeout=120, cwd=ROOT, env=dict(os.environ, PATH=path))
     assert r.returncode == 2 and "--serve URL" in r.stderr, r.stderr
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from sanic import Sanic
 
 from ._compute import Compute
-from ._envelope import install_error_envelope
+from ._envelope import ErrorBody, install_error_envelope
 from ._ops import Hooks
 from ._ops import bp as ops_bp
 from .metrics import Metrics
@@ -21,7 +21,7 @@ KEEP_ALIVE_S = 75
 
 
 def make_app(name: str, role: str, hooks: Hooks, *, max_body: int, access_log: bool = False,
-             compute_threads: int = 1, metrics: Metrics | None = None) -> Sanic:
+             compute_threads: int = 1, metrics: Metrics | None = None, error_body: ErrorBody | None = None) -> Sanic:
     app = Sanic(name)
     app.config.REQUEST_MAX_SIZE = max_body
     app.config.KEEP_ALIVE_TIMEOUT = KEEP_ALIVE_S
@@ -32,7 +32,7 @@ def make_app(name: str, role: str, hooks: Hooks, *, max_body: int, access_log: b
     app.ctx.compute = compute = Compute(compute_threads, name=f"{role}-compute")
     app.ctx.metrics = metrics = metrics or Metrics(role)
     metrics.track_inflight(lambda: hooks.inflight())
-    install_error_envelope(app)
+    install_error_envelope(app, error_body)
     metrics.install(app)
     app.blueprint(ops_bp)
 

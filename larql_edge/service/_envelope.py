@@ -5,12 +5,18 @@ One table maps error types to statuses: each `LarqlError` class declares its own
 malformed HTTP) keep their status and headers; a 405 always carries ``Allow`` (RFC 9110 §15.5.6), also
 on a path with parameters, where Sanic's router does not name the methods. Anything else is a bug: a
 500 with a generic message, the traceback in the log, never to the caller.
+
+A role whose API has its own error format (larql-serve: OpenAI's ``{"error": {"message", "type",
+"param", "code"}}``) passes ``error_body(status, message, exc)`` to `make_app`: the statuses and
+headers stay the toolkit's, only the body's shape is the role's.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
+from typing import Any
 
 from sanic import Sanic
 from sanic.constants import HTTP_METHODS
@@ -23,7 +29,13 @@ from larql_edge.errors import LarqlError, TooManyRequests
 log = logging.getLogger("larql.http")
 
 
-def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> HTTPResponse:
+ErrorBody = Callable[[int, str, BaseException], Any]
+
+
+def error_response(status: int, message: str, headers: dict[str, str] | None = None,
+                   body: ErrorBody | None = None, exc: BaseException | None = None) -> HTTPResponse:
+    if body is not None:
+        return json(body(status, message, exc if exc is not None else Exception(message)), status=status, headers=headers)
     return json({"error": message}, status=status, headers=headers)
 
 
@@ -48,12 +60,12 @@ def allowed_methods(request: Request) -> str:
     return ", ".join(allowed)
 
 
-def response_for(exc: BaseException, request: Request | None) -> HTTPResponse:
+def response_for(exc: BaseException, request: Request | None, body: ErrorBody | None = None) -> HTTPResponse:
     if isinstance(exc, LarqlError):
         headers = None
         if isinstance(exc, TooManyRequests):
             headers = {"Retry-After": str(max(1, math.ceil(exc.retry_after)))}
-        return error_response(exc.status, exc.message, headers)
+        return error_response(exc.status, exc.message, headers, body, exc)
     if isinstance(exc, SanicException):
         status = int(getattr(exc, "status_code", 500) or 500)
         msg = str(exc) or "error"
@@ -62,13 +74,13 @@ def response_for(exc: BaseException, request: Request | None) -> HTTPResponse:
         headers = dict(getattr(exc, "headers", None) or {})
         if isinstance(exc, MethodNotAllowed) and request is not None and not any(k.lower() == "allow" for k in headers):
             headers["Allow"] = allowed_methods(request)
-        return error_response(status, msg, headers=headers or None)
+        return error_response(status, msg, headers or None, body, exc)
     log.exception("unhandled error on %s %s", getattr(request, "method", "?"), getattr(request, "path", "?"))
-    return error_response(500, "internal server error")
+    return error_response(500, "internal server error", None, body, exc)
 
 
-def install_error_envelope(app: Sanic) -> None:
+def install_error_envelope(app: Sanic, body: ErrorBody | None = None) -> None:
     async def handler(request: Request, exc: Exception) -> HTTPResponse:
-        return response_for(exc, request)
+        return response_for(exc, request, body)
 
     app.error_handler.add(Exception, handler)

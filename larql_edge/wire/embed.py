@@ -4,7 +4,8 @@
   response: ``u32 seq_len, u32 hidden, f32[seq_len * hidden]`` (rows already scaled).
 - GET ``/v1/embed/{id}`` response: ``f32[hidden]``, no header.
 - POST ``/v1/logits`` request: ``f32[hidden]``, the residual before the final norm;
-  raw-logits response: ``f32[vocab]``.
+  raw-logits response: ``f32[vocab]``. Many rows (``?rows=N``): ``f32[N * hidden]``, answered
+  ``f32[N * vocab]`` (or top-k JSON per row).
 
 Decoders return numpy views of the body where they can (no copy) and raise `WireError` for any
 body whose length disagrees with its header or its element size.
@@ -105,6 +106,20 @@ def decode_logits_request(body: bytes, hidden: int) -> np.ndarray:
     if len(body) != 4 * hidden:
         raise WireError(f"logits request: {len(body) // 4} values, expected hidden size {hidden}")
     return np.frombuffer(body, dtype=F32)
+
+
+def encode_logits_rows_request(rows: np.ndarray) -> bytes:
+    r = np.asarray(rows, dtype=F32)
+    if r.ndim != 2:
+        raise WireError("logits rows request: residuals are [rows, hidden]")
+    return np.ascontiguousarray(r).tobytes()
+
+
+def decode_logits_rows_request(body: bytes, rows: int, hidden: int) -> np.ndarray:
+    _aligned(body, "logits rows request")
+    if len(body) != 4 * rows * hidden:
+        raise WireError(f"logits rows request: {len(body) // 4} values, expected {rows} rows x hidden size {hidden}")
+    return np.frombuffer(body, dtype=F32).reshape(rows, hidden)
 
 
 def encode_logits_response(logits: np.ndarray) -> bytes:

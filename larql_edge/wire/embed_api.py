@@ -176,15 +176,22 @@ class EmbedApi:
             "description": "Applies the final norm, lm_head, final softcap and temperature. Concurrent requests are "
             "batched into one matrix product. temperature 0 means greedy: order unchanged (argmax first), "
             "probabilities of temperature 1, raw logits unscaled. top_k and temperature may be given in the query "
-            "(what binary requests use) and are checked there on every request; a JSON body's values win.",
+            "(what binary requests use) and are checked there on every request; a JSON body's values win. "
+            'Many rows (larql-serve\'s one request per decode step): a JSON body with "residuals" (a list of rows), '
+            "or a binary body of rows x f32[hidden] with ?rows=N, answered with one top-k list per row under \"rows\" "
+            "(or raw f32[rows * vocab] with the binary Accept); all rows in one lm_head product; at most max_batch rows.",
             "parameters": [
+                _q("rows", "Binary requests: the body holds this many residuals (the many-rows form)",
+                   {"type": "integer", "minimum": 1, "maximum": int(self.limits.get("max_batch", 64))}),
                 _q("top_k", "Binary requests (a JSON body's top_k wins)", dict(self.top_k(), default=5)),
                 _q("temperature", "Binary requests (a JSON body's temperature wins)", dict(self.temperature(), default=1.0)),
             ],
-            "requestBody": _body(ref("LogitsRequest"), binary("f32[hidden], the residual before the final norm")),
+            "requestBody": _body({"anyOf": [ref("LogitsRequest"), ref("LogitsRowsRequest")]},
+                                 binary("f32[hidden], the residual before the final norm (rows x f32[hidden] with ?rows=N)")),
             "responses": {
-                "200": ok("Top-k JSON, or raw f32[vocab] with Accept: application/x-larql-ffn", ref("LogitsResponse"),
-                          binary("f32[vocab] logits (divided by temperature when > 0)")),
+                "200": ok("Top-k JSON, or raw f32[vocab] with Accept: application/x-larql-ffn",
+                          {"anyOf": [ref("LogitsResponse"), ref("LogitsRowsResponse")]},
+                          binary("f32[vocab] logits (divided by temperature when > 0); f32[rows * vocab] for many rows")),
                 "406": err("Accept allows neither representation"),
                 **ERRORS,
             },
@@ -289,6 +296,29 @@ class EmbedApi:
                                         "hidden_size numbers: the residual before the final norm"),
                     "top_k": dict(self.top_k(), default=5),
                     "temperature": dict(self.temperature(), default=1.0),
+                },
+            },
+            "LogitsRowsRequest": {
+                "type": "object",
+                "required": ["residuals"],
+                "properties": {
+                    "residuals": {"type": "array", "minItems": 1, "maxItems": int(self.limits.get("max_batch", 64)),
+                                  "items": exactly({"type": "array", "items": row}, self.hidden, "hidden_size numbers"),
+                                  "description": "Residuals before the final norm, one row per position"},
+                    "top_k": dict(self.top_k(), default=5),
+                    "temperature": dict(self.temperature(), default=1.0),
+                },
+            },
+            "LogitsRowsResponse": {
+                "type": "object",
+                "required": ["rows", "model", "temperature", "greedy", "latency_ms"],
+                "properties": {
+                    "rows": {"type": "array", "items": {"type": "array", "items": {"type": "object"}},
+                             "description": "Per row, its top-k list (the items of LogitsResponse's top_k)"},
+                    "model": {"type": "string"},
+                    "temperature": number,
+                    "greedy": {"type": "boolean"},
+                    "latency_ms": number,
                 },
             },
             "LogitsResponse": {

@@ -12,6 +12,9 @@ answers many requests for little more than the price of one.
   without waiting again: under load the wait is never paid.
 - The product and every request's post-processing run in the app's compute thread, so the event
   loop keeps serving embeddings and health checks meanwhile, and products never compete for BLAS.
+- A many-rows request (`submit_rows`: larql-serve's one logits request for every sequence of a
+  decode step) joins a batch as a block of rows: its rows and its neighbours' are still ONE product.
+  ``max_batch`` counts rows; a block larger than that is a batch of its own.
 """
 
 from __future__ import annotations
@@ -44,7 +47,9 @@ class LogitsBatcher:
         self.max_batch = max_batch
         self.max_wait = max(0.0, max_wait)
         self.on_batch = on_batch
-        self._queue: list[tuple[np.ndarray, Callable[[np.ndarray], Any], asyncio.Future]] = []
+        # (rows [r, hidden], post, future, one_row): a one-row request's post gets logits[vocab],
+        # a many-rows request's gets its block [r, vocab].
+        self._queue: list[tuple[np.ndarray, Callable[[np.ndarray], Any], asyncio.Future, bool]] = []
         self._runner: asyncio.Task | None = None
         self._computing = 0
         self.batches = 0
@@ -53,9 +58,16 @@ class LogitsBatcher:
 
     async def submit(self, x: np.ndarray, post: Callable[[np.ndarray], Any]) -> Any:
         """Queue one residual ``x [hidden]``; ``post(logits_row)`` runs in the executor, its result returns."""
+        return await self._submit(np.asarray(x)[None, :], post, True)
+
+    async def submit_rows(self, x: np.ndarray, post: Callable[[np.ndarray], Any]) -> Any:
+        """Queue residuals ``x [rows, hidden]``; ``post(logits [rows, vocab])`` runs in the executor."""
+        return await self._submit(np.atleast_2d(x), post, False)
+
+    async def _submit(self, x: np.ndarray, post: Callable[[np.ndarray], Any], one_row: bool) -> Any:
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
-        self._queue.append((x, post, fut))
+        self._queue.append((x, post, fut, one_row))
         if self._runner is None or self._runner.done():
             self._runner = loop.create_task(self._run())
         return await fut
@@ -67,28 +79,33 @@ class LogitsBatcher:
             if first and self.max_wait:
                 await self._gather_company(loop)
             first = False
-            batch = self._queue[: self.max_batch]
-            del self._queue[: self.max_batch]
+            take, rows = 0, 0
+            while take < len(self._queue) and (take == 0 or rows + self._queue[take][0].shape[0] <= self.max_batch):
+                rows += self._queue[take][0].shape[0]
+                take += 1
+            batch = self._queue[:take]
+            del self._queue[:take]
             batch = [item for item in batch if not item[2].done()]  # callers that went away
             if not batch:
                 continue
             t0 = time.perf_counter()
+            nrows = sum(item[0].shape[0] for item in batch)
             self._computing = len(batch)
             try:
                 results = await self.executor.run(self._compute_batch, batch)
             except Exception as e:  # the product itself failed: every caller of the batch hears it
-                for _, _, fut in batch:
+                for _, _, fut, _ in batch:
                     if not fut.done():
                         fut.set_exception(e)
                 continue
             finally:
                 self._computing = 0
             self.batches += 1
-            self.rows += len(batch)
-            self.largest = max(self.largest, len(batch))
+            self.rows += nrows
+            self.largest = max(self.largest, nrows)
             if self.on_batch is not None:
-                self.on_batch(len(batch), time.perf_counter() - t0)
-            for (_, _, fut), (ok, value) in zip(batch, results, strict=True):
+                self.on_batch(nrows, time.perf_counter() - t0)
+            for (_, _, fut, _), (ok, value) in zip(batch, results, strict=True):
                 if fut.done():
                     continue
                 if ok:
@@ -99,7 +116,7 @@ class LogitsBatcher:
     async def _gather_company(self, loop) -> None:
         deadline = loop.time() + self.max_wait
         seen = len(self._queue)
-        while seen < self.max_batch:
+        while sum(item[0].shape[0] for item in self._queue) < self.max_batch:
             remaining = deadline - loop.time()
             if remaining <= 0:
                 return
@@ -109,11 +126,14 @@ class LogitsBatcher:
             seen = len(self._queue)
 
     def _compute_batch(self, batch) -> list[tuple[bool, Any]]:
-        logits = self.compute(np.stack([x for x, _, _ in batch]))
+        logits = self.compute(np.concatenate([x for x, _, _, _ in batch]))  # ONE product for every row
         out: list[tuple[bool, Any]] = []
-        for i, (_, post, _) in enumerate(batch):
+        at = 0
+        for x, post, _, one_row in batch:
+            block = logits[at : at + x.shape[0]]
+            at += x.shape[0]
             try:
-                out.append((True, post(logits[i])))
+                out.append((True, post(block[0] if one_row else block)))
             except Exception as e:  # one caller's post-processing failing does not fail the others
                 out.append((False, e))
         return out

@@ -5,6 +5,13 @@ The answer is the top k as JSON (token id, text, probability, log-probability, l
 Temperature 0 means greedy: the list is ordered as always (argmax first) and the probabilities are
 those of temperature 1, so they stay informative; raw logits are then returned unscaled.
 Requests are queued to the model's micro-batcher, which multiplies concurrent residuals together.
+
+The many-rows form (larql-serve's one logits request per decode step for every sequence): a JSON
+body ``{"residuals": [[...], ...], "top_k": k, "temperature": t}``, or a binary body of
+``rows x f32[hidden]`` with ``?rows=N``, is answered ``{"rows": [[top-k of row 0], ...], ...}`` (or,
+with the binary Accept, ``f32[rows * vocab]``): all rows in ONE lm_head product. At most
+``max_batch`` rows (413 above). Without ``residuals``/``rows`` the single-residual forms are
+unchanged, byte for byte.
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ import numpy as np
 from sanic import Blueprint
 from sanic.response import HTTPResponse, json
 
-from larql_edge.errors import BadRequest
+from larql_edge.errors import BadRequest, PayloadTooLarge
 from larql_edge.roles.embed import requests as rq
 from larql_edge.roles.embed.head import log_normaliser, top_k_ids
 from larql_edge.roles.embed.routes._common import both, model_of
@@ -62,6 +69,21 @@ def _raw(temperature: float, row: np.ndarray) -> bytes:
     return wire.encode_logits_response(_scaled(row, temperature))
 
 
+def _top_k_rows(model, k: int, temperature: float, block: np.ndarray) -> list[list[dict]]:
+    return [_top_k(model, k, temperature, row) for row in block]
+
+
+def _raw_rows(temperature: float, block: np.ndarray) -> bytes:
+    return wire.encode_logits_response(_scaled(block, temperature))
+
+
+def _check_rows(n: int, limit: int) -> None:
+    if n < 1:
+        raise BadRequest("residuals: give at least one row")
+    if n > limit:
+        raise PayloadTooLarge(f"{n} residual rows; the limit is {limit} per request (max_batch)")
+
+
 @both(bp, "/logits", ["POST"], "logits")
 async def logits(request, model_id: str | None = None):
     t0 = time.perf_counter()
@@ -71,18 +93,39 @@ async def logits(request, model_id: str | None = None):
     query = request.get_args(keep_blank_values=True)  # ?top_k= is a wrong top_k, not a missing one
     k = rq.int_param(query.get("top_k"), "top_k", 5, 1, max_k)
     temperature = rq.temperature_param(query.get("temperature"))
+    max_rows = request.app.ctx.cfg.limits.max_batch
+    many: np.ndarray | None = None
+    # Checked on every request, as top_k: a wrong ?rows= is a 400 whatever the body.
+    n_rows = rq.int_param(query.get("rows"), "rows", 0, 1, max_rows) if query.get("rows") is not None else None
     if body_kind(request) == BINARY_KIND:
-        x = wire.decode_logits_request(request.body, m.hidden_size)
-        x = rq.finite(x)
+        if n_rows is not None:
+            many = rq.finite(wire.decode_logits_rows_request(request.body, n_rows, m.hidden_size))
+        else:
+            x = wire.decode_logits_request(request.body, m.hidden_size)
+            x = rq.finite(x)
     else:
         params = json_object(request)
-        if "residual" not in params:
+        if "residuals" in params:
+            rows = params["residuals"]
+            if not isinstance(rows, list):
+                raise BadRequest(f"residuals must be a list of rows of {m.hidden_size} numbers")
+            _check_rows(len(rows), max_rows)
+            many = np.stack([rq.residual(r, m.hidden_size) for r in rows])
+        elif "residual" not in params:
             raise BadRequest(f'missing "residual" (a list of {m.hidden_size} numbers)')
-        x = rq.residual(params["residual"], m.hidden_size)
+        else:
+            x = rq.residual(params["residual"], m.hidden_size)
         if "top_k" in params:
             k = rq.int_param(_json_number(params, "top_k", integer=True), "top_k", 5, 1, max_k)
         if "temperature" in params:
             temperature = rq.temperature_param(_json_number(params, "temperature", integer=False))
+    if many is not None:
+        if rq.wants_binary(request, default_binary=False):
+            body = await m.batcher.submit_rows(many, partial(_raw_rows, temperature))
+            return HTTPResponse(body, content_type=BINARY)
+        rows_top = await m.batcher.submit_rows(many, partial(_top_k_rows, m, k, temperature))
+        return json({"rows": rows_top, "model": m.id, "temperature": temperature, "greedy": temperature == 0.0,
+                     "latency_ms": round((time.perf_counter() - t0) * 1e3, 3)})
     if rq.wants_binary(request, default_binary=False):
         body = await m.batcher.submit(x, partial(_raw, temperature))
         return HTTPResponse(body, content_type=BINARY)

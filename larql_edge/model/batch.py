@@ -1,0 +1,165 @@
+"""The batched forward pass: every active sequence through each layer together (larql-serve's engine).
+
+`Transformer.forward` runs one sequence; `BatchEngine.step` runs a list of *chunks* (a few new tokens
+of several sequences: one token each for sequences that decode, a slice of the prompt for one that
+prefills) as one stack of rows:
+
+- embeddings: one request for every row of the step;
+- per layer: the norms and the q/k/v/o projections as one matrix product over all rows; attention per
+  sequence, each on its own preallocated KV cache (`SeqCache`: ``[kv_heads, context, head_dim]`` per
+  layer, written in place, never re-concatenated); the FFN as ONE provider call on all rows (one
+  request per layer to the grid, whatever the number of sequences);
+- the head: one call for the last row of every chunk that asks for its next token.
+
+Each row meets exactly the arithmetic `Transformer.forward` gives it (same ops, same keys: the
+sliding-window slice is the same), so greedy decoding is the same tokens batched or alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from larql_edge.model import ops
+from larql_edge.model.backend import Backend
+from larql_edge.model.forward import EmbedProvider, FfnProvider
+from larql_edge.model.spec import ModelSpec
+from larql_edge.model.weights import AttentionLayer
+
+
+class TopKHead(Protocol):
+    """Pre-final-norm rows ``[n, hidden]`` -> per row the top ``k`` ids and their log-probabilities
+    (temperature 1), most likely first (ties: the lower id first, as ``argmax``)."""
+
+    def top_k_rows(self, h: np.ndarray, k: int) -> list[tuple[np.ndarray, np.ndarray]]: ...
+
+
+class LocalTopK:
+    """A `TopKHead` from any `HeadProvider` (full logits; used in-process and by tests)."""
+
+    def __init__(self, head):
+        self.head = head
+
+    def top_k_rows(self, h: np.ndarray, k: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        logits = np.asarray(self.head.logits(h), dtype=np.float32)
+        out = []
+        for row in logits:
+            lp = ops.log_softmax(row)
+            kk = min(k, lp.size)
+            idx = np.argpartition(-lp, kk - 1)[:kk]
+            idx = idx[np.lexsort((idx, -lp[idx]))]
+            out.append((idx.astype(np.int64), lp[idx].astype(np.float64)))
+        return out
+
+
+def kv_bytes_per_token(spec: ModelSpec) -> int:
+    """float32 keys and values of one position in every layer."""
+    return 2 * 4 * spec.num_layers * spec.num_kv_heads * spec.head_dim
+
+
+class SeqCache:
+    """One sequence's KV cache, preallocated up to ``context`` positions. ``np.empty`` only reserves
+    address space: pages become resident as positions are written, so the bound is what admission
+    counts (``context x kv_bytes_per_token`` per sequence), the use is what the sequence has seen."""
+
+    def __init__(self, spec: ModelSpec, context: int):
+        shape = (spec.num_kv_heads, context, spec.head_dim)
+        self.keys = [np.empty(shape, dtype=np.float32) for _ in range(spec.num_layers)]
+        self.values = [np.empty(shape, dtype=np.float32) for _ in range(spec.num_layers)]
+        self.context = context
+        self.length = 0
+
+
+@dataclass
+class Chunk:
+    cache: SeqCache
+    ids: Sequence[int]
+    wants_logits: bool = True  # False for a prefill chunk that is not the prompt's last
+
+
+class BatchEngine:
+    def __init__(self, spec: ModelSpec, attn: list[AttentionLayer], embedder: EmbedProvider, ffn: FfnProvider,
+                 head: TopKHead, backend: Backend):
+        self.spec, self.attn, self.embedder, self.ffn, self.head, self.backend = spec, attn, embedder, ffn, head, backend
+
+    def new_cache(self, context: int) -> SeqCache:
+        return SeqCache(self.spec, context)
+
+    def _attention(self, layer: int, x: np.ndarray, chunks: Sequence[Chunk], spans: list[tuple[int, int]],
+                   pos_all: np.ndarray, rope: dict) -> np.ndarray:
+        s, w, be = self.spec, self.attn[layer], self.backend
+        n = x.shape[0]
+        # The projections, the q/k norms and RoPE: each one operation over every row of the step
+        # (row-wise arithmetic: every row gets exactly what it would get alone).
+        q_all = be.linear(x, w.q).reshape(n, s.num_q_heads, s.head_dim).transpose(1, 0, 2)
+        k_all = be.linear(x, w.k).reshape(n, s.num_kv_heads, s.head_dim).transpose(1, 0, 2)
+        v_all = be.linear(x, w.v).reshape(n, s.num_kv_heads, s.head_dim).transpose(1, 0, 2)
+        if w.q_norm is not None and w.k_norm is not None:
+            q_all = ops.rms_norm(q_all, w.q_norm, s.rms_norm_eps, s.family.norm_offset)
+            k_all = ops.rms_norm(k_all, w.k_norm, s.rms_norm_eps, s.family.norm_offset)
+        base = s.rope_base_for(layer)
+        if base not in rope:  # two bases at most (sliding and full layers): computed once per step
+            rope[base] = ops.rope_tables(pos_all, s.head_dim, base)
+        cos, sin = rope[base]
+        q_all = ops.apply_rope(q_all, cos, sin)
+        k_all = ops.apply_rope(k_all, cos, sin)
+        window = s.sliding_window if s.is_sliding(layer) else None
+        out = np.empty((n, s.num_q_heads * s.head_dim), dtype=np.float32)
+        for c, (a, b) in zip(chunks, spans, strict=True):
+            seq, start = b - a, c.cache.length
+            end = start + seq
+            # Written in place into the preallocated cache: no re-concatenation.
+            c.cache.keys[layer][:, start:end] = k_all[:, a:b]
+            c.cache.values[layer][:, start:end] = v_all[:, a:b]
+            first = 0
+            if window is not None and end > window + seq - 1:
+                first = end - (window + seq - 1)  # the keys Transformer.forward keeps: the same arithmetic
+            keys, values = c.cache.keys[layer][:, first:end], c.cache.values[layer][:, first:end]
+            out[a:b] = ops.attention(q_all[:, a:b], keys, values, pos_all[a:b], np.arange(first, end), s.attn_scale,
+                                     window, s.attn_logit_softcapping)
+        return be.linear(out, w.o)
+
+    def forward(self, chunks: Sequence[Chunk]) -> np.ndarray:
+        """Every chunk's rows through every layer; returns the pre-final-norm residual rows ``[n, hidden]``."""
+        s = self.spec
+        eps, off = s.rms_norm_eps, s.family.norm_offset
+        for c in chunks:
+            if c.cache.length + len(c.ids) > c.cache.context:
+                raise ValueError(f"{c.cache.length} + {len(c.ids)} positions exceed the cache's {c.cache.context}")
+        ids = [int(t) for c in chunks for t in c.ids]
+        spans, at = [], 0
+        for c in chunks:
+            spans.append((at, at + len(c.ids)))
+            at += len(c.ids)
+        pos_all = np.concatenate([np.arange(c.cache.length, c.cache.length + len(c.ids)) for c in chunks])
+        rope: dict = {}
+        h = np.asarray(self.embedder.embed(ids), dtype=np.float32)  # one request for every row
+        for layer in range(s.num_layers):
+            w = self.attn[layer]
+            a = self._attention(layer, ops.rms_norm(h, w.pre_attn_norm, eps, off), chunks, spans, pos_all, rope)
+            if w.post_attn_norm is not None:
+                a = ops.rms_norm(a, w.post_attn_norm, eps, off)
+            h = h + a
+            f = self.ffn.ffn(layer, ops.rms_norm(h, w.pre_ffn_norm, eps, off))  # ONE call for all rows
+            if w.post_ffn_norm is not None:
+                f = ops.rms_norm(f, w.post_ffn_norm, eps, off)
+            h = h + f
+        for c in chunks:
+            c.cache.length += len(c.ids)
+        return h
+
+    def step(self, chunks: Sequence[Chunk], k: int) -> list[tuple[np.ndarray, np.ndarray] | None]:
+        """One step: per chunk, the top ``k`` of its next token (None for a chunk not asking)."""
+        if not chunks:
+            return []
+        h = self.forward(chunks)
+        last, at = [], 0
+        for c in chunks:
+            at += len(c.ids)
+            if c.wants_logits:
+                last.append(at - 1)
+        tops = iter(self.head.top_k_rows(h[last], k) if last else [])
+        return [next(tops) if c.wants_logits else None for c in chunks]

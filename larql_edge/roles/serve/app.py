@@ -1,0 +1,162 @@
+"""larql-serve's app: the OpenAI routes on the service toolkit, with OpenAI's error envelope.
+
+``Served`` is what the routes need (the model's id, tokenizer, chat template, context) and the
+`Scheduler` steps every sequence. `remote_engine` builds the batch engine of a real deployment:
+attention from the vindex (the ``attn`` preset carries it), embeddings, FFN and logits from the grid.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sanic import Sanic
+from sanic.request import Request
+
+from larql_edge.format.vindex import Vindex
+from larql_edge.model.batch import BatchEngine, kv_bytes_per_token
+from larql_edge.service import Hooks, make_app
+
+from .api import openai_error_body
+from .chat import ChatTemplate
+from .openapi import openapi_spec
+from .routes import bp
+from .scheduler import Scheduler
+
+# The request bodies are small JSON (a prompt, messages): 4 MiB takes a context's worth of text.
+MAX_BODY = 4 << 20
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+@dataclass
+class Limits:
+    max_active: int = 8
+    max_queue: int = 64
+    context: int = 2048
+    kv_memory_bytes: int = 1 << 30
+    step_tokens: int = 128
+
+    def as_json(self, spec) -> dict:
+        return {"max_active": self.max_active, "max_queue": self.max_queue, "context": self.context,
+                "kv_memory_bytes": self.kv_memory_bytes, "kv_bytes_per_sequence": self.context * kv_bytes_per_token(spec),
+                "step_tokens": self.step_tokens, "n": 1, "max_body_bytes": MAX_BODY}
+
+
+@dataclass
+class Served:
+    model_id: str
+    tokenizer: Any
+    vocab: int
+    context: int
+    chat_template: ChatTemplate | None
+    eos_ids: tuple[int, ...]
+    names: frozenset[str] = frozenset()  # every name a request may give for the model (model_id too)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+def effective_limits(limits: Limits, spec) -> Limits:
+    """``max_active`` bounded by the KV memory: every active sequence may fill the whole context."""
+    per_seq = limits.context * kv_bytes_per_token(spec)
+    by_memory = max(0, limits.kv_memory_bytes // per_seq)
+    return Limits(min(limits.max_active, by_memory), limits.max_queue, limits.context, limits.kv_memory_bytes,
+                  limits.step_tokens)
+
+
+def create_app(engine: BatchEngine, served: Served, limits: Limits, name: str = "larql_serve") -> Sanic:
+    sched = Scheduler(engine, served.tokenizer, context=limits.context, max_active=limits.max_active,
+                      max_queue=limits.max_queue, step_tokens=limits.step_tokens, eos_ids=served.eos_ids)
+
+    def stats(request: Request) -> dict:
+        return {"mode": "serve", "model": served.model_id, "num_layers": engine.spec.num_layers,
+                "hidden_size": engine.spec.hidden_size, "vocab_size": served.vocab,
+                "chat_template": served.chat_template is not None,
+                "active": sched.active_count, "queued": sched.queued_count,
+                "scheduler": sched.stats(), "limits": limits.as_json(engine.spec)}
+
+    hooks = Hooks(ready=lambda: {"ready": True, "model": served.model_id}, stats=stats,
+                  inflight=lambda: sched.active_count + sched.queued_count, openapi=openapi_spec())
+    app = make_app(name, "serve", hooks, max_body=MAX_BODY, error_body=openai_error_body)
+    app.config.RESPONSE_TIMEOUT = 3600  # a long generation streams for minutes
+    app.ctx.served, app.ctx.scheduler, app.ctx.engine = served, sched, engine
+    app.blueprint(bp)
+
+    m = app.ctx.metrics
+    active = m.gauge("active_sequences", "Sequences holding a KV cache, stepped together")
+    queued = m.gauge("queued_sequences", "Admitted sequences waiting for a slot")
+    ttft = m.histogram("time_to_first_token_seconds", "From admission to the first generated token", buckets=TTFT_BUCKETS)
+    itl = m.histogram("inter_token_latency_seconds", "Between two tokens of one sequence", buckets=ITL_BUCKETS)
+    generated = m.counter("generated_tokens", "Tokens generated")
+    prompt = m.counter("prompt_tokens", "Prompt tokens admitted")
+    sched.on_token = lambda kind, seconds: (ttft if kind == "ttft" else itl).observe(seconds)
+    seen = {"generated": 0, "prompt": 0}
+
+    def flush() -> None:
+        active.set(sched.active_count)
+        queued.set(sched.queued_count)
+        g, p = sched.generated_tokens, sched.prompt_tokens
+        generated.inc(g - seen["generated"])
+        prompt.inc(p - seen["prompt"])
+        seen["generated"], seen["prompt"] = g, p
+
+    m.add_flusher(flush)
+
+    @app.before_server_stop
+    async def _stop_scheduler(app_):
+        sched.stop()
+
+    return app
+
+
+def remote_engine(vx: Vindex, ffn: str, embed: str | None, timeout: float = 60.0, retries: int = 10) -> BatchEngine:
+    """Attention here; embeddings and logits from ``embed`` (default: the ``ffn`` router, which proxies
+    the embed server), the FFN of each layer from ``ffn`` (router URLs, replicas failing over)."""
+    from larql_edge.errors import RemoteError
+    from larql_edge.model.backend import get_backend
+    from larql_edge.model.forward import load_attention
+    from larql_edge.model.spec import ModelSpec
+    from larql_edge.service.remote import RemoteEmbed, RemoteFfn, RemoteHead, Replicas, make_client, parse_targets
+
+    spec = ModelSpec.from_index(vx.index)
+    be = get_backend()
+    client = make_client(timeout)
+    targets = parse_targets(ffn)
+    embed_urls = [t.url for t in parse_targets(embed)] if embed else [t.url for t in targets if t.layers is None]
+    if not embed_urls:
+        raise RemoteError("--embed URL is needed when --ffn names shards by layer range (a router URL serves both)")
+    remote_ffn = RemoteFfn(Replicas(client, retries, what="FFN"), targets, spec.hidden_size, spec.num_layers)
+    if remote_ffn.missing_layers():
+        raise RemoteError(f"no --ffn target serves layers {remote_ffn.missing_layers()}")
+    replicas = Replicas(client, retries, what="embed server")
+    return BatchEngine(spec, load_attention(vx, spec, be), RemoteEmbed(replicas, embed_urls, spec.hidden_size), remote_ffn,
+                       RemoteHead(replicas, embed_urls, spec.hidden_size, spec.vocab_size), be)
+
+
+def load_tokenizer(vx: Vindex):
+    from tokenizers import Tokenizer
+
+    from larql_edge.errors import VindexError
+
+    path = vx.tokenizer_path
+    if not path.is_file():
+        raise VindexError(f"{vx.path}: no tokenizer.json")
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises its own Exception type
+        raise VindexError(f"{path}: unreadable tokenizer ({e})") from None
+
+
+def served_model(vx: Vindex, tokenizer, context: int, chat_template_file: str | None,
+                 names: tuple[str, ...] = ()) -> Served:
+    """``names``: what /v1/models lists (the first) and requests may say, beside the vindex's own model name."""
+    from larql_edge.model.spec import ModelSpec
+
+    from .chat import eos_from_generation_config, load_chat_template
+
+    spec = ModelSpec.from_index(vx.index)
+    eos = tuple(dict.fromkeys(spec.eos_token_ids + eos_from_generation_config(Path(vx.path))))
+    return Served(model_id=names[0] if names else vx.model, tokenizer=tokenizer, vocab=spec.vocab_size, context=context,
+                  chat_template=load_chat_template(Path(vx.path), chat_template_file), eos_ids=eos,
+                  names=frozenset((*names, vx.model)))
