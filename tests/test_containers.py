@@ -33,7 +33,7 @@ from tests import _docker as dk
 pytestmark = [pytest.mark.docker, pytest.mark.slow, pytest.mark.timeout(3600)]
 
 PROMPT = "The capital of France is"
-ROLES = ("slicer", "router", "ffn", "client", "embed", "edge", "prometheus")
+ROLES = ("slicer", "router", "ffn", "client", "serve", "embed", "edge", "prometheus")
 GRID_KEY = "larql-test-grid-key-5f0c2a"
 
 
@@ -115,7 +115,7 @@ def test_images_run_as_non_root_with_healthchecks(images):
         cfg = d.images.get(dk.image(role)).attrs["Config"]
         user = cfg.get("User") or "root"
         assert user.split(":")[0] not in ("", "root", "0"), (role, user)
-        if role in ("router", "ffn", "embed", "edge", "prometheus"):
+        if role in ("router", "ffn", "serve", "embed", "edge", "prometheus"):
             assert cfg.get("Healthcheck", {}).get("Test"), role
     embed = d.images.get(dk.image("embed")).attrs["Config"]
     assert embed["User"] == "10001:10001"

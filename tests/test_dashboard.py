@@ -2,21 +2,17 @@
 (deploy/prometheus/alerts.yml) query only metrics that the roles really export.
 
 Real servers on loopback (an embed server, an FFN shard and a router on a tiny model, a second
-router whose only shard is dead so the failure series exist, and `larql-serve` when it is
-installed) get a few requests of every kind; their /metrics are scraped and every PromQL
-expression of the dashboard and of the rules is parsed (promql-parser: Prometheus' grammar) into
-the selectors it uses. Each metric name must be exported, or be on EXPECTED_FROM_LEAD: names the
-lead is adding now (INTERFACES.md), which `test_metrics_expected_from_the_lead_are_exported` asks
-for separately, so that test fails until they exist. Labels the expressions group by or match on
-must exist on those metrics too (a typo there makes a panel silently empty).
+router whose only shard is dead so the failure series exist, and `larql-serve`) get a few requests
+of every kind; their /metrics are scraped and every PromQL expression of the dashboard and of the
+rules is parsed (promql-parser: Prometheus' grammar) into the selectors it uses. Each metric name
+must be exported by some role. Labels the expressions group by or match on must exist on those
+metrics too (a typo there makes a panel silently empty).
 """
 
 from __future__ import annotations
 
 import json
 import re
-import shutil
-import subprocess
 import time
 from pathlib import Path
 
@@ -29,13 +25,6 @@ ROOT = Path(__file__).resolve().parents[1]
 DASHBOARD = ROOT / "deploy" / "grafana" / "larql-grid.json"
 RULES = ROOT / "deploy" / "prometheus" / "alerts.yml"
 
-# Series the lead adds now (INTERFACES.md: autoscaling gauges, memory, the larql-serve role). The
-# dashboard and the rules use them already; remove a name here once the role exports it.
-EXPECTED_FROM_LEAD = frozenset({
-    "larql_embed_inflight", "larql_ffn_inflight", "larql_router_inflight",
-    "larql_embed_resident_memory_bytes", "larql_ffn_resident_memory_bytes",
-    "larql_router_resident_memory_bytes",
-})
 # Made by Prometheus itself, not by a role.
 PROMETHEUS_SERIES = frozenset({"up"})
 # Labels Prometheus attaches to every scraped series (target labels), and the histogram bucket.
@@ -192,15 +181,6 @@ def _scrape(url: str) -> dict[str, list[dict[str, str]]]:
     return out
 
 
-def _serve_cli() -> str | None:
-    """`larql-serve`, once the lead's role exists (started through its LARQL_ environment twins)."""
-    exe = shutil.which("larql-serve")
-    if exe is None:
-        return None
-    r = subprocess.run([exe, "--help"], capture_output=True, text=True, timeout=60)
-    return exe if r.returncode == 0 else None
-
-
 def _drive(procs, urls: dict[str, str], hidden: int, vocab: int) -> None:
     """A few requests of every kind, errors included, so the lazily made series exist."""
     from larql_edge.wire import embed as ew
@@ -229,11 +209,10 @@ def _drive(procs, urls: dict[str, str], hidden: int, vocab: int) -> None:
         dead = h.post(urls["router-dead"] + "/v1/walk-ffn", content=fw.encode_request(0, np.zeros((1, hidden), np.float32)),
                       headers=ffn_ct)
         assert dead.status_code >= 500, dead.text
-        if "serve" in urls:
-            models = h.get(urls["serve"] + "/v1/models").json()
-            model = (models.get("data") or [{}])[0].get("id", "default")
-            r = h.post(urls["serve"] + "/v1/completions", json={"model": model, "prompt": "a b c", "max_tokens": 2}, timeout=120)
-            assert r.status_code == 200, r.text
+        models = h.get(urls["serve"] + "/v1/models").json()
+        model = (models.get("data") or [{}])[0].get("id", "default")
+        r = h.post(urls["serve"] + "/v1/completions", json={"model": model, "prompt": "a b c", "max_tokens": 2}, timeout=120)
+        assert r.status_code == 200, r.text
         for url in urls.values():  # scrape once so that /metrics itself is counted
             h.get(url + "/metrics")
     time.sleep(1.5)  # request metrics reach Prometheus' registry at the next flush (every second)
@@ -256,11 +235,10 @@ def exported(tiny_models, tmp_path_factory) -> dict[str, dict[str, list[dict[str
             p.wait_ready(120)
         view = wait_grid(router.url, embed=1, timeout=60)
         urls = {"embed": embed.url, "ffn": shard.url, "router": router.url, "router-dead": dead_router.url}
-        serve = _serve_cli()
-        if serve:
-            s = procs.start("serve", serve, env={"LARQL_VINDEX": str(vx), "LARQL_FFN": router.url})
-            s.wait_ready(180)
-            urls["serve"] = s.url
+        # larql-serve, started through its LARQL_ environment twins
+        s = procs.start("serve", "larql-serve", env={"LARQL_VINDEX": str(vx), "LARQL_FFN": router.url})
+        s.wait_ready(180)
+        urls["serve"] = s.url
         stats = httpx.get(embed.url + "/v1/stats", timeout=10).json()
         _drive(procs, urls, int(stats["hidden_size"]), int(stats["vocab_size"]))
         assert view["complete"]
@@ -282,9 +260,9 @@ def _labels_of(exported, name: str) -> list[dict[str, str]]:
 
 
 @pytest.mark.multiprocess
-def test_every_metric_used_is_exported_or_expected_from_the_lead(exported):
+def test_every_metric_used_is_exported(exported):
     names = _all_names(exported)
-    known = names | EXPECTED_FROM_LEAD | PROMETHEUS_SERIES
+    known = names | PROMETHEUS_SERIES
     missing = []
     for where, expr in all_exprs():
         for sel in selectors(expr):
@@ -294,9 +272,6 @@ def test_every_metric_used_is_exported_or_expected_from_the_lead(exported):
             elif not sel.names(known):
                 missing.append((where, f"{{__name__=~{sel.name_regex!r}}}"))
     assert not missing, "metrics no role exports:\n" + "\n".join(f"  {w}: {n}" for w, n in missing)
-    # and the list of what the lead adds holds only names that something here really uses
-    used = {n for _, e in all_exprs() for s in selectors(e) for n in s.names(known)}
-    assert EXPECTED_FROM_LEAD <= used, f"on EXPECTED_FROM_LEAD but used nowhere: {sorted(EXPECTED_FROM_LEAD - used)}"
 
 
 @pytest.mark.multiprocess
@@ -329,10 +304,3 @@ def test_labels_used_exist_on_the_exported_metrics(exported):
                         problems.append(f"{where}: {label}{op}{value!r} matches none of {sorted(values)}")
     assert not problems, "\n".join(problems)
 
-
-@pytest.mark.multiprocess
-def test_metrics_expected_from_the_lead_are_exported(exported):
-    """Fails until the roles export what INTERFACES.md promises and the dashboard/rules use."""
-    missing = sorted(EXPECTED_FROM_LEAD - _all_names(exported))
-    assert not missing, ("not exported yet (EXPECTED_FROM_LEAD in tests/test_dashboard.py; `larql-serve` "
-                         f"{'found' if _serve_cli() else 'not installed'}): {missing}")

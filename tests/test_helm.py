@@ -659,7 +659,7 @@ def test_helm_test_script_predicts_through_a_real_grid_with_the_charts_ranges(re
 # Service names become Docker network aliases: every router carries the headless Service's name,
 # which Docker's DNS then resolves to all of them, as the cluster DNS does. Probes are polled with
 # the rendered paths and budgets; preStop is the rendered command run with `docker exec`.
-# serve is left out: its image (larql-serve) is not built yet.
+# serve is left out of this Docker run (its image runs in the Swarm test; its pod is checked statically).
 
 DOCKER_GRID_KEY = "larql-helm-docker-grid-key-7d41"
 DOCKER_VALUES = {"serve": {"enabled": False}, "embed": {"replicas": 1}, "edge": {"replicas": 1},

@@ -73,12 +73,13 @@ def _op(op_id: str, summary: str, request: str, reply: str) -> dict:
 
 
 def _prompt(stats: dict | None) -> dict:
-    text = {"type": "string", "minLength": 1}
-    ids = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+    text: dict = {"type": "string", "minLength": 1}
+    item: dict = {"type": "integer", "minimum": 0}
+    ids: dict = {"type": "array", "items": item, "minItems": 1}
     if stats is not None:
         ctx = int(stats["limits"]["context"])
         text["maxLength"] = max(1, (ctx - 2) // 4)
-        ids["items"]["maximum"] = int(stats["vocab_size"]) - 1
+        item["maximum"] = int(stats["vocab_size"]) - 1
         ids["maxItems"] = ctx - 1
     return {"oneOf": [text, {"type": "array", "items": text, "minItems": 1, "maxItems": 1}, ids]}
 
