@@ -140,9 +140,8 @@ def main() -> int:
         grid = build_remote(Vindex.open(paths["client"]), remote_args(ffn=router.url))
         direct = build_remote(Vindex.open(paths["client"]), remote_args(
             ffn=",".join(f"{s.info['layers']}={s.url}" for s in shards), embed=embed.url))
-        from larql_edge.roles.client._build import load_tokenizer
 
-        tok = load_tokenizer(Vindex.open(vindex))
+        tok = Vindex.open(vindex).load_tokenizer()
         prompt = tok.encode("The capital of France is").ids
         long_ids = tok.encode(TEXT * 3).ids[:59]
         assert len(long_ids) == 59

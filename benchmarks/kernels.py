@@ -69,12 +69,11 @@ def real_activations(n_rows: int) -> dict:
     from larql_edge.format.vindex import Vindex
     from larql_edge.model import ops
     from larql_edge.model.forward import Transformer
-    from larql_edge.roles.client._build import load_tokenizer
     from larql_edge.tools.slicer.cache import cached_vindex
 
     path = cached_vindex("gemma3-270m", dtype="f16")
     model = Transformer.local(path)
-    ids = load_tokenizer(Vindex.open(path)).encode(TEXT).ids[:n_rows]
+    ids = Vindex.open(path).load_tokenizer().encode(TEXT).ids[:n_rows]
     assert len(ids) == n_rows, len(ids)
     names = {}
     for i, a in enumerate(model.attn):

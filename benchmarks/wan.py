@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT))
 from larql_edge.format.layers import split_even  # noqa: E402
 from larql_edge.format.vindex import Vindex  # noqa: E402
 from larql_edge.model.forward import Transformer  # noqa: E402
-from larql_edge.roles.client._build import build_remote, load_tokenizer  # noqa: E402
+from larql_edge.roles.client._build import build_remote  # noqa: E402
 from larql_edge.service import h1_sync  # noqa: E402
 from larql_edge.tools.grid.cli import role_vindexes  # noqa: E402
 from larql_edge.tools.grid.supervisor import Supervisor, pick_ports, role_env  # noqa: E402
@@ -152,7 +152,7 @@ def main() -> int:
                 raise TimeoutError("grid not complete")
             time.sleep(0.2)
 
-        tok = load_tokenizer(Vindex.open(vindex))
+        tok = Vindex.open(vindex).load_tokenizer()
         ids = tok.encode(PROMPT).ids
         local = Transformer.local(vindex)
         say(f"larql-edge WAN benchmark: {args.model} ({n_layers} layers), {args.tokens} decode tokens after a "

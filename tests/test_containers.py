@@ -55,10 +55,9 @@ def reference(gemma_f16):
     """The local forward pass on the same f16 vindex the images extract: token ids to compare with."""
     from larql_edge.format.vindex import Vindex
     from larql_edge.model.forward import Transformer
-    from larql_edge.roles.client._build import load_tokenizer
 
     vx = Vindex.open(gemma_f16)
-    tok = load_tokenizer(vx)
+    tok = vx.load_tokenizer()
     model = Transformer.local(vx)
     ids = tok.encode(PROMPT).ids
     out = {"vindex": vx, "prompt_ids": ids, "tokenizer": tok}

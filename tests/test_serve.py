@@ -15,7 +15,7 @@ import pytest
 
 from larql_edge.format.vindex import Vindex
 from larql_edge.model.batch import Chunk
-from larql_edge.roles.serve.app import Limits, create_app, load_tokenizer, remote_engine, served_model
+from larql_edge.roles.serve.app import Limits, create_app, remote_engine, served_model
 from larql_edge.roles.serve.chat import ChatTemplate
 from larql_edge.testing.servers import ServerThread
 from tests import _inproc
@@ -34,7 +34,7 @@ def grid(tiny_models):
 def _serve(vx_path: Path, router_url: str, limits: Limits, chat: bool = False, eos: bool = True) -> ServerThread:
     vx = Vindex.open(vx_path)
     engine = remote_engine(vx, router_url, None, timeout=30, retries=1)
-    served = served_model(vx, load_tokenizer(vx), limits.context, None)
+    served = served_model(vx, vx.load_tokenizer(), limits.context, None)
     if chat:
         served.chat_template = ChatTemplate(TEMPLATE, "<bos>", "<eos>", origin="test")
     if not eos:  # sequences that run until max_tokens: they hold their slots as long as a test needs

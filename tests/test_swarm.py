@@ -163,10 +163,9 @@ def reference(gemma_f16):
     """The local forward pass on the f16 vindex the images extract: the tokens to compare with."""
     from larql_edge.format.vindex import Vindex
     from larql_edge.model.forward import Transformer
-    from larql_edge.roles.client._build import load_tokenizer
 
     vx = Vindex.open(gemma_f16)
-    tok = load_tokenizer(vx)
+    tok = vx.load_tokenizer()
     ids = tok.encode(PROMPT).ids
     greedy = list(Transformer.local(vx).generate(ids, 32, stop_ids=[]))
     return {"prompt_ids": ids, "greedy32": greedy, "tokenizer": tok}

@@ -404,6 +404,18 @@ class Vindex:
     def tokenizer_path(self) -> Path:
         return self.path / TOKENIZER
 
+    def load_tokenizer(self):
+        """tokenizer.json as a Hugging Face ``tokenizers.Tokenizer`` (VindexError when absent or unreadable)."""
+        from tokenizers import Tokenizer
+
+        path = self.tokenizer_path
+        if not path.is_file():
+            raise VindexError(f"{self.path}: no tokenizer.json")
+        try:
+            return Tokenizer.from_file(str(path))
+        except Exception as e:  # tokenizers raises its own Exception type
+            raise VindexError(f"{path}: unreadable tokenizer ({e})") from None
+
     def tokenizer_config(self) -> dict[str, Any]:
         """tokenizer_config.json (chat_template, bos_token, eos_token, ...), {} when the vindex has none."""
         return self._optional_json(TOKENIZER_CONFIG)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 from larql_edge.config import Flags
 from larql_edge.errors import VindexError
@@ -37,16 +36,6 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
           "(on the next replica, with exponential backoff capped at 2 s: ~15 s in all by default)")
 
 
-def load_tokenizer(vx: Vindex):
-    from tokenizers import Tokenizer
-
-    path: Path = vx.tokenizer_path
-    if not path.is_file():
-        raise VindexError(f"{vx.path}: no tokenizer.json")
-    try:
-        return Tokenizer.from_file(str(path))
-    except Exception as e:  # tokenizers raises its own Exception type
-        raise VindexError(f"{path}: unreadable tokenizer ({e})") from None
 
 
 def build_model(args: argparse.Namespace):
@@ -60,8 +49,8 @@ def build_model(args: argparse.Namespace):
         threadpool_limits(threads)
     vx = Vindex.open(args.vindex)
     if remote:
-        return build_remote(vx, args), load_tokenizer(vx)
-    return Transformer.local(vx), load_tokenizer(vx)
+        return build_remote(vx, args), vx.load_tokenizer()
+    return Transformer.local(vx), vx.load_tokenizer()
 
 
 def build_remote(vx: Vindex, args: argparse.Namespace) -> Transformer:

@@ -134,18 +134,6 @@ def remote_engine(vx: Vindex, ffn: str, embed: str | None, timeout: float = 60.0
                        RemoteHead(replicas, embed_urls, spec.hidden_size, spec.vocab_size), be)
 
 
-def load_tokenizer(vx: Vindex):
-    from tokenizers import Tokenizer
-
-    from larql_edge.errors import VindexError
-
-    path = vx.tokenizer_path
-    if not path.is_file():
-        raise VindexError(f"{vx.path}: no tokenizer.json")
-    try:
-        return Tokenizer.from_file(str(path))
-    except Exception as e:  # tokenizers raises its own Exception type
-        raise VindexError(f"{path}: unreadable tokenizer ({e})") from None
 
 
 def served_model(vx: Vindex, tokenizer, context: int, chat_template_file: str | None,

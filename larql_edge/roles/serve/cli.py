@@ -72,7 +72,6 @@ def main(argv: list[str] | None = None) -> int:
         Limits,
         create_app,
         effective_limits,
-        load_tokenizer,
         remote_engine,
         served_model,
     )
@@ -89,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
             raise LarqlError(f"--kv-memory-mb {args.kv_memory_mb} holds no sequence of {context} positions: "
                              "raise it or lower --context")
         names = tuple(n.strip() for n in (args.served_model_name or "").split(",") if n.strip())
-        served = served_model(vx, load_tokenizer(vx), context, args.chat_template, names)
+        served = served_model(vx, vx.load_tokenizer(), context, args.chat_template, names)
     except LarqlError as e:
         print(f"larql-serve: error: {e}", file=sys.stderr)
         return e.exit_code
