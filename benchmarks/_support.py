@@ -2,21 +2,52 @@
 
 from __future__ import annotations
 
+import statistics
+import time
+from collections.abc import Callable, Iterator
 
-def tree_cpu(pid: int) -> float:
-    """CPU seconds (user + system) used so far by a process and all its descendants (a server's workers)."""
+
+def process_tree(pid: int) -> Iterator:
+    """A process and all its descendants (a server's workers) that still exist, as psutil processes."""
     import psutil
 
     try:
         root = psutil.Process(pid)
         procs = [root, *root.children(recursive=True)]
     except psutil.NoSuchProcess:
-        return 0.0
+        return
+    yield from procs
+
+
+def _tree_sum(pid: int, value: Callable) -> float:
+    import psutil
+
     total = 0.0
-    for p in procs:
+    for p in process_tree(pid):
         try:
-            t = p.cpu_times()
-            total += t.user + t.system
-        except psutil.NoSuchProcess:
+            total += value(p)
+        except psutil.NoSuchProcess:  # ended while being read
             pass
     return total
+
+
+def tree_cpu(pid: int) -> float:
+    """CPU seconds (user + system) used so far by a process and all its descendants."""
+    return _tree_sum(pid, lambda p: p.cpu_times().user + p.cpu_times().system)
+
+
+def tree_rss(pid: int) -> int:
+    """Resident bytes of a process and all its descendants (Sanic serves from a child process)."""
+    return int(_tree_sum(pid, lambda p: p.memory_info().rss))
+
+
+def median_ms(fn: Callable[[], object], n: int = 200, warmup: int = 10) -> float:
+    """Median milliseconds of ``n`` calls of ``fn``, after ``warmup`` calls that are not counted."""
+    for _ in range(warmup):
+        fn()
+    ts = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts) * 1e3

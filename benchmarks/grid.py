@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -28,6 +27,8 @@ import psutil  # noqa: E402
 from threadpoolctl import threadpool_limits  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
+
+from _support import median_ms, tree_rss  # noqa: E402  (benchmarks/ is the script's folder)
 
 from larql_edge.format.layers import split_even  # noqa: E402
 from larql_edge.format.vindex import Vindex  # noqa: E402
@@ -64,16 +65,6 @@ def prefill_seconds(model: Transformer, ids: list[int]) -> float:
     model.next_logits(ids, model.new_cache())
     return time.perf_counter() - t0
 
-
-def median_ms(fn, n: int = 200) -> float:
-    for _ in range(10):
-        fn()
-    ts = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts) * 1e3
 
 
 def client_rss_mb(vindex: Path, router: str) -> float:
@@ -207,9 +198,7 @@ def main() -> int:
 
         say("RSS per role (MB):")
         for r in (router, embed, *shards):
-            proc = psutil.Process(r.pid)
-            rss = sum(p.memory_info().rss for p in [proc, *proc.children(recursive=True)])
-            say(f"  {r.name:12s} {rss / 2**20:8.1f}")
+            say(f"  {r.name:12s} {tree_rss(r.pid) / 2**20:8.1f}")
         say(f"  {'client':12s} {client_rss_mb(paths['client'], router.url):8.1f}   (attention-only, one prediction)")
         say(f"  {'local':12s} {psutil.Process().memory_info().rss / 2**20:8.1f}   (this benchmark process: the whole model + the clients)")
     finally:

@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
-import psutil  # noqa: E402
+from _support import tree_rss  # noqa: E402  (benchmarks/ is the script's folder)
 
 from larql_edge.format.presets import ROLE_PRESETS  # noqa: E402
 from larql_edge.format.vindex import Vindex  # noqa: E402
@@ -42,20 +42,6 @@ HOST = "127.0.0.1"
 BIN = fw.CONTENT_TYPE
 HEALTH_P99_BOUND_MS = 250.0  # what the verdict holds each server to while its largest request runs
 
-
-def tree_rss(pid: int) -> int:
-    try:
-        root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return 0
-    total = 0
-    for p in procs:
-        try:
-            total += p.memory_info().rss
-        except psutil.NoSuchProcess:
-            pass
-    return total
 
 
 def load(role, requests: list[tuple[str, str, bytes, dict]], seconds: float) -> dict:

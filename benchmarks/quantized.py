@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -35,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
-import psutil  # noqa: E402
+from _support import median_ms, tree_rss  # noqa: E402  (benchmarks/ is the script's folder)
 
 from larql_edge.format.layers import split_even  # noqa: E402
 from larql_edge.format.presets import ROLE_PRESETS  # noqa: E402
@@ -55,35 +54,10 @@ def url(port: int) -> str:
     return f"http://{HOST}:{port}"
 
 
-def tree_rss_mb(pid: int) -> float:
-    """RSS of a server and its workers (Sanic serves from a child process)."""
-    try:
-        root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return 0.0
-    total = 0
-    for p in procs:
-        try:
-            total += p.memory_info().rss
-        except psutil.NoSuchProcess:
-            pass
-    return total / 2**20
-
 
 def folder_mb(path: Path) -> float:
     return sum(f.stat().st_size for f in path.iterdir() if f.is_file()) / 2**20
 
-
-def p50_ms(fn, n: int) -> float:
-    for _ in range(3):
-        fn()
-    ts = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts) * 1e3
 
 
 PROMPT_IDS: list[int] = []
@@ -199,7 +173,7 @@ def main() -> int:
             embeds[k] = sup.start(f"embed-{k}", ["larql-embed", str(slices[k]["embed"]), "--port", str(port), *common],
                                   url(port), env={"LARQL_BACKEND": backend})
         sup.wait_ready(list(embeds.values()), time.monotonic() + 900)
-        rss_start = {k: tree_rss_mb(r.popen.pid) for k, r in embeds.items()}
+        rss_start = {k: tree_rss(r.popen.pid) / 2**20 for k, r in embeds.items()}
         c = HttpClient()
         x = np.random.default_rng(0).standard_normal(hidden).astype(np.float32)
         body = ew.encode_logits_request(x)
@@ -208,7 +182,7 @@ def main() -> int:
         logits_p50: dict[str, list[float]] = {k: [] for k in CONFIGS}
         for _ in range(3):  # interleaved, so noise hits every configuration alike
             for k, r in embeds.items():
-                logits_p50[k].append(p50_ms(lambda r=r: c.request("POST", r.url + "/v1/logits", content=body, headers=hdr), n))
+                logits_p50[k].append(median_ms(lambda r=r: c.request("POST", r.url + "/v1/logits", content=body, headers=hdr), n, warmup=3))
         rng = np.random.default_rng(1)
         ids = rng.integers(0, vx.vocab_size, args.lookups)
         for r in embeds.values():
@@ -216,7 +190,7 @@ def main() -> int:
                 resp = c.request("GET", f"{r.url}/v1/embed/{int(i)}")
                 if resp.status_code != 200:
                     raise RuntimeError(f"embed lookup {resp.status_code}")
-        rss_after = {k: tree_rss_mb(r.popen.pid) for k, r in embeds.items()}
+        rss_after = {k: tree_rss(r.popen.pid) / 2**20 for k, r in embeds.items()}
         stats = {k: json.loads(c.request("GET", r.url + "/v1/stats").content) for k, r in embeds.items()}
         c.close()
         for r in embeds.values():

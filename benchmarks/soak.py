@@ -31,6 +31,7 @@ sys.path.insert(0, str(REPO / "loadtests"))
 
 import psutil  # noqa: E402
 import run as loadrun  # noqa: E402  (loadtests/run.py)
+from _support import process_tree  # noqa: E402  (benchmarks/ is the script's folder)
 
 RSS_GROWTH_RATIO = 0.10
 RSS_GROWTH_SLACK = 32 << 20
@@ -45,13 +46,8 @@ def tree_memory(pid: int) -> tuple[int, int]:
     reclaimable page cache. The private part (RSS minus file-backed and shared pages) is what a
     leak grows, so the bound applies to it; both are reported.
     """
-    try:
-        root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return 0, 0
     rss = private = 0
-    for p in procs:
+    for p in process_tree(pid):
         try:
             m = p.memory_info()
         except psutil.NoSuchProcess:
