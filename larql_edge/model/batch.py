@@ -25,7 +25,7 @@ import numpy as np
 
 from larql_edge.model import ops
 from larql_edge.model.backend import Backend
-from larql_edge.model.forward import EmbedProvider, FfnProvider
+from larql_edge.model.forward import EmbedProvider, FfnProvider, project_qkv
 from larql_edge.model.spec import ModelSpec
 from larql_edge.model.weights import AttentionLayer
 
@@ -92,20 +92,11 @@ class BatchEngine:
                    pos_all: np.ndarray, rope: dict) -> np.ndarray:
         s, w, be = self.spec, self.attn[layer], self.backend
         n = x.shape[0]
-        # The projections, the q/k norms and RoPE: each one operation over every row of the step
-        # (row-wise arithmetic: every row gets exactly what it would get alone).
-        q_all = be.linear(x, w.q).reshape(n, s.num_q_heads, s.head_dim).transpose(1, 0, 2)
-        k_all = be.linear(x, w.k).reshape(n, s.num_kv_heads, s.head_dim).transpose(1, 0, 2)
-        v_all = be.linear(x, w.v).reshape(n, s.num_kv_heads, s.head_dim).transpose(1, 0, 2)
-        if w.q_norm is not None and w.k_norm is not None:
-            q_all = ops.rms_norm(q_all, w.q_norm, s.rms_norm_eps, s.family.norm_offset)
-            k_all = ops.rms_norm(k_all, w.k_norm, s.rms_norm_eps, s.family.norm_offset)
         base = s.rope_base_for(layer)
         if base not in rope:  # two bases at most (sliding and full layers): computed once per step
             rope[base] = ops.rope_tables(pos_all, s.head_dim, base)
-        cos, sin = rope[base]
-        q_all = ops.apply_rope(q_all, cos, sin)
-        k_all = ops.apply_rope(k_all, cos, sin)
+        # The projections, the q/k norms and RoPE: each one operation over every row of the step.
+        q_all, k_all, v_all = project_qkv(s, w, be, x, rope[base])
         window = s.sliding_window if s.is_sliding(layer) else None
         out = np.empty((n, s.num_q_heads * s.head_dim), dtype=np.float32)
         for c, (a, b) in zip(chunks, spans, strict=True):

@@ -134,16 +134,8 @@ class Transformer:
     def _attention(self, layer: int, x: np.ndarray, cache: KVCache, start: int) -> np.ndarray:
         s, w, be = self.spec, self.attn[layer], self.backend
         seq = x.shape[0]
-        q = be.linear(x, w.q).reshape(seq, s.num_q_heads, s.head_dim).transpose(1, 0, 2)
-        k = be.linear(x, w.k).reshape(seq, s.num_kv_heads, s.head_dim).transpose(1, 0, 2)
-        v = be.linear(x, w.v).reshape(seq, s.num_kv_heads, s.head_dim).transpose(1, 0, 2)
-        if w.q_norm is not None and w.k_norm is not None:
-            q = ops.rms_norm(q, w.q_norm, s.rms_norm_eps, s.family.norm_offset)
-            k = ops.rms_norm(k, w.k_norm, s.rms_norm_eps, s.family.norm_offset)
         pos = np.arange(start, start + seq)
-        cos, sin = ops.rope_tables(pos, s.head_dim, s.rope_base_for(layer))
-        q = ops.apply_rope(q, cos, sin)
-        k = ops.apply_rope(k, cos, sin)
+        q, k, v = project_qkv(s, w, be, x, ops.rope_tables(pos, s.head_dim, s.rope_base_for(layer)))
         if cache.keys[layer] is not None:
             k = np.concatenate([cache.keys[layer], k], axis=1)
             v = np.concatenate([cache.values[layer], v], axis=1)
@@ -203,6 +195,21 @@ class Transformer:
             if tok in stop:
                 return
             logits = self.next_logits([tok], cache)
+
+
+def project_qkv(s: ModelSpec, w: AttentionLayer, be: Backend, x: np.ndarray,
+                rope: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """q, k, v ``[heads, rows, head_dim]`` of rows ``x``: projections, q/k norms, RoPE at ``rope``'s
+    (cos, sin) positions. Row-wise arithmetic: a row gets the same values alone or among others."""
+    n = x.shape[0]
+    q = be.linear(x, w.q).reshape(n, s.num_q_heads, s.head_dim).transpose(1, 0, 2)
+    k = be.linear(x, w.k).reshape(n, s.num_kv_heads, s.head_dim).transpose(1, 0, 2)
+    v = be.linear(x, w.v).reshape(n, s.num_kv_heads, s.head_dim).transpose(1, 0, 2)
+    if w.q_norm is not None and w.k_norm is not None:
+        q = ops.rms_norm(q, w.q_norm, s.rms_norm_eps, s.family.norm_offset)
+        k = ops.rms_norm(k, w.k_norm, s.rms_norm_eps, s.family.norm_offset)
+    cos, sin = rope
+    return ops.apply_rope(q, cos, sin), ops.apply_rope(k, cos, sin), v
 
 
 def load_attention(vx: Vindex, spec: ModelSpec, backend: Backend) -> list[AttentionLayer]:
