@@ -51,3 +51,13 @@ def median_ms(fn: Callable[[], object], n: int = 200, warmup: int = 10) -> float
         fn()
         ts.append(time.perf_counter() - t0)
     return statistics.median(ts) * 1e3
+
+
+def save_keeping_earlier(out: str, lines: list[str]) -> None:
+    """Write a run's lines to ``out``, the file's earlier runs kept below them (figures from a noisy
+    machine are read side by side)."""
+    from pathlib import Path
+
+    path = Path(out)
+    old = path.read_text() if path.exists() else ""
+    path.write_text("\n".join(lines) + "\n" + ("\n--- earlier run ---\n" + old if old else ""))

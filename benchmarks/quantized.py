@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
-from _support import median_ms, tree_rss  # noqa: E402  (benchmarks/ is the script's folder)
+from _support import median_ms, save_keeping_earlier, tree_rss  # noqa: E402  (benchmarks/ is the script's folder)
 
 from larql_edge.format.layers import split_even  # noqa: E402
 from larql_edge.format.presets import ROLE_PRESETS  # noqa: E402
@@ -273,9 +273,7 @@ def main() -> int:
         say(f"load average at end {os.getloadavg()[0]:.1f}")
     finally:
         sup.stop_all()
-    out = Path(args.out)
-    old = out.read_text() if out.exists() else ""
-    out.write_text("\n".join(lines) + "\n" + ("\n--- earlier run ---\n" + old if old else ""))
+    save_keeping_earlier(args.out, lines)
     return 0
 
 
