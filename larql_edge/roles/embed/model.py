@@ -141,7 +141,7 @@ class ServedModel:
         self.load_seconds["embeddings"] = time.perf_counter() - t
 
         t = time.perf_counter()
-        self._tokenizer = Tokenizer.from_file(str(self.vindex.tokenizer_path))
+        self._tokenizer = self.vindex.load_tokenizer()
         self.load_seconds["tokenizer"] = time.perf_counter() - t
 
         t = time.perf_counter()
