@@ -169,7 +169,7 @@ def main() -> int:
         x = np.random.default_rng(0).standard_normal((1, hidden)).astype(np.float32)
         body = fw.encode_request(0, x)
         h = {"content-type": fw.CONTENT_TYPE}
-        from larql_edge.service.h1_sync import HttpClient
+        from larql_edge.net.h1_sync import HttpClient
 
         c = HttpClient()  # the client's own transport: per-hop figures are what decode pays
         w0 = local.ffn_provider.layers[0]

@@ -9,9 +9,9 @@ reply of the same size, and ``POST /v1/walk-ffn-64k`` gets a 64 KiB reply. The s
 one core and this process to the other, so the figures are the client's cost plus one loopback
 round trip.
 
-Synchronous (the attention-only client, ``larql_edge.service.h1_sync.HttpClient``, one keep-alive
+Synchronous (the attention-only client, ``larql_edge.net.h1_sync.HttpClient``, one keep-alive
 connection) against ``httpx.Client``, a ``urllib3`` pool and bare ``http.client``. Asynchronous
-(the router, ``larql_edge.service.h1_async.H1Pool``) against ``httpx.AsyncClient``,
+(the router, ``larql_edge.net.h1_async.H1Pool``) against ``httpx.AsyncClient``,
 ``aiohttp.ClientSession``, ``httpcore.AsyncConnectionPool`` and a minimal ``asyncio.Protocol``
 client that parses with ``httptools``; sequentially and with 8 and 32 requests in flight.
 
@@ -168,7 +168,7 @@ async def time_async(call, n: int, want: int, inflight: int) -> Run:
 
 def sync_clients(url: str, path: str, body: bytes) -> dict:
     """name -> (call, close); every call returns the reply body."""
-    from larql_edge.service.h1_sync import HttpClient
+    from larql_edge.net.h1_sync import HttpClient
 
     host, port = url.removeprefix("http://").split(":")
     out = {}
@@ -271,7 +271,7 @@ class HttptoolsPool:
 
 async def async_clients(url: str, path: str, body: bytes) -> dict:
     """name -> (call, aclose); every call returns the reply body."""
-    from larql_edge.service.h1_async import H1Pool
+    from larql_edge.net.h1_async import H1Pool
 
     host, port = url.removeprefix("http://").split(":")
     out = {}

@@ -39,7 +39,7 @@ from _support import median_ms, save_keeping_earlier, tree_rss  # noqa: E402  (b
 from larql_edge.format.layers import split_even  # noqa: E402
 from larql_edge.format.presets import ROLE_PRESETS  # noqa: E402
 from larql_edge.format.vindex import Vindex  # noqa: E402
-from larql_edge.service.h1_sync import HttpClient  # noqa: E402
+from larql_edge.net.h1_sync import HttpClient  # noqa: E402
 from larql_edge.tools.grid.supervisor import Supervisor, pick_ports, role_env  # noqa: E402
 from larql_edge.tools.slicer.cache import cached_slice, cached_vindex  # noqa: E402
 from larql_edge.wire import embed as ew  # noqa: E402

@@ -42,7 +42,7 @@ from larql_edge.format.layers import split_even  # noqa: E402
 from larql_edge.format.vindex import Vindex  # noqa: E402
 from larql_edge.model.forward import Transformer  # noqa: E402
 from larql_edge.roles.client._build import build_remote  # noqa: E402
-from larql_edge.service import h1_sync  # noqa: E402
+from larql_edge.net import h1_sync  # noqa: E402
 from larql_edge.tools.grid.cli import role_vindexes  # noqa: E402
 from larql_edge.tools.grid.supervisor import Supervisor, pick_ports, role_env  # noqa: E402
 

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from larql_edge.service.h1 import (
+from larql_edge.net.h1 import (
     ConnectFailed,
     ConnectionLost,
     MalformedReply,
@@ -24,8 +24,8 @@ from larql_edge.service.h1 import (
     TransportError,
     describe,
 )
-from larql_edge.service.h1_async import H1Pool
-from larql_edge.service.h1_sync import HttpClient
+from larql_edge.net.h1_async import H1Pool
+from larql_edge.net.h1_sync import HttpClient
 from tests._rawhttp import RawConn, RawServer, closed_port, reply
 
 try:

@@ -1,6 +1,6 @@
 """The folder tree is the architecture: imports flow one way, down the layers of docs/architecture.md.
 
-    base (errors, config, console) < format, wire < model < service < roles < tools < testing
+    base (errors, config, console) < format, wire < model < net < service < roles < tools < testing
 
 A module imports from its own layer or below, never above; a role never imports another role.
 """
@@ -11,8 +11,8 @@ import ast
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parents[1] / "larql_edge"
-RANK = {"errors": 0, "config": 0, "console": 0, "format": 1, "wire": 1, "model": 2, "service": 3, "roles": 4,
-        "tools": 5, "testing": 6}
+RANK = {"errors": 0, "config": 0, "console": 0, "format": 1, "wire": 1, "model": 2, "net": 3, "service": 4, "roles": 5,
+        "tools": 6, "testing": 7}
 
 
 def _layer(module: str) -> tuple[str, str | None]:

@@ -1,7 +1,7 @@
-"""The remote providers, kept at their old import path: they live in `larql_edge.service.remote` now,
+"""The remote providers, kept at their old import path: they live in `larql_edge.net.remote` now,
 shared by the client (`larql generate`) and the serve role (a role never imports another role)."""
 
-from larql_edge.service.remote import (  # noqa: F401
+from larql_edge.net.remote import (  # noqa: F401
     BACKOFF_FIRST_S,
     BACKOFF_MAX_S,
     RemoteEmbed,

@@ -7,7 +7,7 @@ rebuilt from the validated parameters (a token id, an ``.json`` suffix, a sha256
 copied from the request, so no ``..`` or encoded segment can reach another route of a member.
 
 Requests go to a live embed member, failing over to another when one cannot answer (5xx, no reply:
-`larql_edge.service.failures`, proxied); replies come back with their status, body and caching
+`larql_edge.net.failures`, proxied); replies come back with their status, body and caching
 headers unchanged (ETag, Cache-Control, Vary), so the CDN contract of DESIGN.md §2 survives.
 """
 

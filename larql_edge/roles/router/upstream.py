@@ -1,6 +1,6 @@
 """Requests from the router to members, with outcome bookkeeping and failover between replicas.
 
-What counts as a member's failure is `larql_edge.service.failures` (shared with the client): a
+What counts as a member's failure is `larql_edge.net.failures` (shared with the client): a
 failure cools the member down in the registry (eviction follows if it keeps failing) and raises
 `MemberFailed`, so the caller retries on another replica; the caller's own mistakes come back as
 replies. Replies are bounded in size (an oversize one is the member's failure, read no further).
@@ -12,9 +12,9 @@ import logging
 import time
 
 from larql_edge.roles.router.registry import Member, Registry
-from larql_edge.service.failures import is_member_failure
-from larql_edge.service.h1 import Reply, TransportError, describe, error_text
-from larql_edge.service.h1_async import H1Pool
+from larql_edge.net.failures import is_member_failure
+from larql_edge.net.h1 import Reply, TransportError, describe, error_text
+from larql_edge.net.h1_async import H1Pool
 
 log = logging.getLogger("larql.router")
 

@@ -23,7 +23,7 @@ from larql_edge.errors import BadRequest, PayloadTooLarge, ServiceUnavailable
 from larql_edge.roles.router.registry import Member, Registry
 from larql_edge.roles.router.upstream import MemberFailed, forward_headers
 from larql_edge.service import JSON_KIND, body_kind, parse_json
-from larql_edge.service.h1 import Reply
+from larql_edge.net.h1 import Reply
 from larql_edge.wire import ffn as wire
 from larql_edge.wire.numbers import json_int
 
@@ -118,7 +118,7 @@ def _json_rows(obj: dict, hidden: int | None) -> int:
 
 async def _post(ctx, m: Member, content: bytes, headers: dict, row_layers: int) -> Reply:
     """One group to one member: its 2xx comes back, the caller's mistake (400, 413) goes back to
-    the caller as it is, anything else already raised MemberFailed (`larql_edge.service.failures`).
+    the caller as it is, anything else already raised MemberFailed (`larql_edge.net.failures`).
     The wait scales with the work asked (`Limits.hop_timeout`)."""
     r = await ctx.upstream.send(m, "POST", PATH, content=content, headers=headers,
                                 timeout=ctx.limits.hop_timeout(row_layers))

@@ -117,7 +117,7 @@ def remote_engine(vx: Vindex, ffn: str, embed: str | None, timeout: float = 60.0
     from larql_edge.model.backend import get_backend
     from larql_edge.model.forward import load_attention
     from larql_edge.model.spec import ModelSpec
-    from larql_edge.service.remote import RemoteEmbed, RemoteFfn, RemoteHead, Replicas, make_client, parse_targets
+    from larql_edge.net.remote import RemoteEmbed, RemoteFfn, RemoteHead, Replicas, make_client, parse_targets
 
     spec = ModelSpec.from_index(vx.index)
     be = get_backend()

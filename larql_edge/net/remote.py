@@ -4,7 +4,7 @@ that proxies one), the FFN of each layer from shards (or a router).
 They plug into `larql_edge.model.forward.Transformer` in place of the local providers, so the client runs
 the very same attention, norm and residual code as the single-process forward: exactness follows.
 
-Failures (`larql_edge.service.failures`, the same rules as the router's): a request that cannot
+Failures (`larql_edge.net.failures`, the same rules as the router's): a request that cannot
 reach a replica, times out, gets a malformed reply or any status but a success or the caller's
 mistake (400, 413) is retried on the next replica serving the same thing, with exponential backoff
 capped at 2 s, a bounded number of times (the default, 10, spans ~15 s: long enough for a router to
@@ -24,9 +24,9 @@ import numpy as np
 
 from larql_edge.errors import RemoteError, WireError
 from larql_edge.format.layers import LayerRange
-from larql_edge.service.failures import is_caller_mistake, is_success
-from larql_edge.service.h1 import Reply, TransportError, describe, error_text
-from larql_edge.service.h1_sync import HttpClient
+from larql_edge.net.failures import is_caller_mistake, is_success
+from larql_edge.net.h1 import Reply, TransportError, describe, error_text
+from larql_edge.net.h1_sync import HttpClient
 from larql_edge.wire import embed as embed_wire
 from larql_edge.wire import ffn as ffn_wire
 

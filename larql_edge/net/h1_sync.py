@@ -21,7 +21,7 @@ import socket
 import time
 from urllib.parse import urlsplit
 
-from larql_edge.service.h1 import (
+from larql_edge.net.h1 import (
     DEFAULT_MAX_BODY,
     ConnectFailed,
     ConnectionLost,
