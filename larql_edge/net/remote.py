@@ -23,43 +23,18 @@ from typing import TypeVar
 import numpy as np
 
 from larql_edge.errors import RemoteError, WireError
-from larql_edge.format.layers import LayerRange
+from larql_edge.format.layers import gaps
 from larql_edge.net.failures import is_caller_mistake, is_success
 from larql_edge.net.h1 import Reply, TransportError, describe, error_text
 from larql_edge.net.h1_sync import HttpClient
 from larql_edge.wire import embed as embed_wire
 from larql_edge.wire import ffn as ffn_wire
+from larql_edge.wire.grid import Target, parse_targets
 
 T = TypeVar("T")
 
 BACKOFF_FIRST_S = 0.1
 BACKOFF_MAX_S = 2.0
-
-
-@dataclass(frozen=True)
-class Target:
-    url: str
-    layers: LayerRange | None = None  # None: every layer (a router, or a shard serving all)
-
-    def serves(self, layer: int) -> bool:
-        return self.layers is None or layer in self.layers
-
-
-def parse_targets(text: str) -> list[Target]:
-    """``"URL"``, ``"URL1,URL2"`` (replicas) or ``"0-8=URL,9-17=URL"`` (shards by layer range)."""
-    out = []
-    for part in filter(None, (p.strip() for p in (text or "").split(","))):
-        rng, sep, url = part.partition("=")
-        if not sep:
-            rng, url = "", part
-        url = url.strip().rstrip("/")
-        if not url.startswith(("http://", "https://")):
-            raise RemoteError(f"{part!r}: expected an http(s) URL (optionally prefixed with a layer range A-B=)")
-        try:
-            out.append(Target(url, LayerRange.parse(rng) if rng else None))
-        except ValueError as e:
-            raise RemoteError(str(e)) from None
-    return out
 
 
 class Replicas:
@@ -260,6 +235,47 @@ class RemoteFfn:
         self.seconds += time.perf_counter() - t0
         self.calls += 1
         return out
+
+
+@dataclass(frozen=True)
+class RemoteSettings:
+    """Where the remote tiers are and how to talk to them: what `build_tiers` needs, parsed once
+    from the command line of `larql` or larql-serve (their flags carry the same names)."""
+
+    ffn: str | None = None  # a router or shard URL, replicas "URL1,URL2", or "0-8=URL,9-17=URL"
+    embed: str | None = None  # default: the --ffn router(s), which proxy the embed server
+    ffn_f16: bool = False
+    timeout: float = 30.0
+    retries: int = 10
+    logits_top_k: int = 64
+
+
+@dataclass
+class RemoteTiers:
+    embedder: "RemoteEmbed"
+    ffn: "RemoteFfn | None"  # None: no --ffn (the client then runs the FFN itself)
+    head: "RemoteHead"
+
+
+def build_tiers(s: RemoteSettings, hidden: int, num_layers: int, vocab: int,
+                notice: Callable[[str], None] | None = None) -> RemoteTiers:
+    """The remote providers of the forward pass, with one keep-alive client for all three tiers;
+    every way the targets fail to cover the model is a `RemoteError` saying which flag to fix."""
+    client = make_client(s.timeout)
+    ffn_targets = parse_targets(s.ffn, "--ffn") if s.ffn else []
+    embed_urls = [t.url for t in parse_targets(s.embed, "--embed")] if s.embed else [t.url for t in ffn_targets if t.layers is None]
+    if not embed_urls:
+        raise RemoteError("--embed URL is needed when --ffn names shards by layer range (a router URL serves both)")
+    ffn = None
+    if ffn_targets:
+        ffn = RemoteFfn(Replicas(client, s.retries, what="FFN"), ffn_targets, hidden, num_layers, f16=s.ffn_f16)
+        missing = ffn.missing_layers()
+        if missing:
+            holes = ", ".join(str(g) for g in gaps(set(range(num_layers)) - set(missing), num_layers))
+            raise RemoteError(f"no --ffn target serves layers {holes} (the model has {num_layers} layers)")
+    replicas = Replicas(client, s.retries, what="embed server")
+    return RemoteTiers(RemoteEmbed(replicas, embed_urls, hidden), ffn,
+                       RemoteHead(replicas, embed_urls, hidden, vocab, top_k=s.logits_top_k, notice=notice))
 
 
 def make_client(timeout: float) -> HttpClient:

@@ -11,10 +11,10 @@ from __future__ import annotations
 import logging
 import time
 
-from larql_edge.roles.router.registry import Member, Registry
 from larql_edge.net.failures import is_member_failure
 from larql_edge.net.h1 import Reply, TransportError, describe, error_text
 from larql_edge.net.h1_async import H1Pool
+from larql_edge.roles.router.registry import Member, Registry
 
 log = logging.getLogger("larql.router")
 
