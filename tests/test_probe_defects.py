@@ -1,0 +1,137 @@
+"""The adversarial probe's defects (issue #19), fast tier: each test reproduces one, in-process on
+loopback (tiny models, real HTTP), and failed on the code before its fix. Timing bounds are ratios to
+a baseline measured in the same test (the machine is shared and loaded), never wall-clock numbers."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from larql_edge.format.vindex import Vindex
+from larql_edge.roles.serve.app import Limits, create_app, remote_engine, served_model
+from larql_edge.testing.servers import ServerThread
+from tests import _inproc
+
+
+@pytest.fixture(scope="module")
+def grid(tiny_models):
+    with _inproc.grid(tiny_models["gemma3"], ["0-0", "1-1"]) as g:
+        yield g
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_models):
+    return Vindex.open(tiny_models["gemma3"]).load_tokenizer()
+
+
+def _serve(vx_path, router_url: str, limits: Limits) -> ServerThread:
+    vx = Vindex.open(vx_path)
+    engine = remote_engine(vx, router_url, None, timeout=30, retries=1)
+    served = served_model(vx, vx.load_tokenizer(), limits.context, None)
+    served.eos_ids = ()  # sequences run to max_tokens: they hold their slots as long as a test needs
+    return ServerThread(create_app(engine, served, limits))
+
+
+class HealthPoller:
+    """Polls ``/v1/health`` on its own connection while a block runs; ``worst`` is the slowest answer."""
+
+    def __init__(self, url: str):
+        self.url, self.times, self._stop = url, [], threading.Event()
+        self._t = threading.Thread(target=self._run)
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=120) as c:
+            while not self._stop.is_set():
+                t0 = time.perf_counter()
+                assert c.get(self.url + "/v1/health").status_code == 200
+                self.times.append(time.perf_counter() - t0)
+                time.sleep(0.005)
+
+    def __enter__(self) -> HealthPoller:
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._t.join()
+
+    @property
+    def worst(self) -> float:
+        return max(self.times)
+
+
+def _encode_seconds(tokenizer, text: str) -> float:
+    t0 = time.perf_counter()
+    tokenizer.encode(text)
+    return time.perf_counter() - t0
+
+
+# -- High: a huge prompt blocked larql-serve's health for seconds --------------------------------------
+
+
+def test_tokenizing_releases_the_gil(tokenizer):
+    """``Tokenizer.encode`` held the GIL for the whole call: another thread (the event loop) stalled for
+    as long as the text took. `tokens.encode` gives the same ids and lets the other thread run."""
+    from larql_edge.model import tokens
+
+    text = "the capital of france is paris. " * 20_000
+    assert tokens.encode(tokenizer, text) == tokenizer.encode(text).ids
+    gaps: list[float] = []
+    stop = threading.Event()
+
+    def tick() -> None:
+        last = time.perf_counter()
+        while not stop.is_set():
+            time.sleep(0.002)
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+
+    t = threading.Thread(target=tick)
+    t.start()
+    t0 = time.perf_counter()
+    tokens.encode(tokenizer, text)
+    took = time.perf_counter() - t0
+    stop.set()
+    t.join()
+    assert max(gaps) < took / 3, (max(gaps), took)
+
+
+def test_a_prompt_longer_than_the_context_can_hold_is_refused_untokenized(tiny_models, grid, tokenizer):
+    """A 3.9 MB prompt blocked /v1/health for 8-10 s; eight of them, about a minute. A prompt with more
+    characters than the context's tokens can stand for is now a 400 before any tokenizing, and
+    health stays as fast as without it. Baseline: tokenizing that prompt here, in this run."""
+    with _serve(tiny_models["gemma3"], grid["router"].url, Limits(context=64)) as s:
+        prompt = "the capital of france is paris. " * 120_000  # 3.8 MB, within the 4 MiB body limit
+        baseline = _encode_seconds(tokenizer, prompt)
+        with HealthPoller(s.url) as health, ThreadPoolExecutor(4) as ex:
+            t0 = time.perf_counter()
+            replies = list(ex.map(lambda _: httpx.post(s.url + "/v1/completions", timeout=300,
+                                                       json={"prompt": prompt, "max_tokens": 1}), range(4)))
+            took = time.perf_counter() - t0
+        for r in replies:
+            assert r.status_code == 400, r.text
+            assert r.json()["error"]["code"] == "context_length_exceeded"
+            assert r.json()["error"]["param"] == "prompt"
+        assert took < baseline, (took, baseline)  # four refused in less time than one was tokenized
+        assert health.worst < baseline / 4, (health.worst, baseline)
+
+
+def test_the_embed_server_tokenizes_off_its_event_loop(tiny_models, tokenizer):
+    """Eight clients encoding 100,000 characters each held the embed server's loop (health p99 1.5 s):
+    the tokenizer ran in the handler. Health now answers while they encode."""
+    text = "the capital of france is paris. " * 3_125  # 100,000 characters: the published limit
+    baseline = _encode_seconds(tokenizer, text)
+    with _inproc.embed({"gemma": tiny_models["gemma3"]}) as srv:
+        _inproc.wait_ready(srv)
+        with HealthPoller(srv.url) as health, ThreadPoolExecutor(8) as ex:
+            replies = list(ex.map(lambda _: httpx.post(srv.url + "/v1/token/encode", json={"text": text}, timeout=120),
+                                  range(16)))
+        assert all(r.status_code == 200 for r in replies)
+        assert replies[0].json()["token_ids"] == tokenizer.encode(text, add_special_tokens=False).ids
+        # 16 encodes queue in one compute thread; on the loop, a health check waited for several of them
+        assert health.worst < 2 * baseline, (health.worst, baseline)
