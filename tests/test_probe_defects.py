@@ -135,3 +135,72 @@ def test_the_embed_server_tokenizes_off_its_event_loop(tiny_models, tokenizer):
         assert replies[0].json()["token_ids"] == tokenizer.encode(text, add_special_tokens=False).ids
         # 16 encodes queue in one compute thread; on the loop, a health check waited for several of them
         assert health.worst < 2 * baseline, (health.worst, baseline)
+
+
+# -- Medium: a lone surrogate was a 500 (and, through the router, an embed-server failure) ------------
+
+LONE = b'"\\ud800"'  # JSON's escape for a lone surrogate: valid JSON, not Unicode text
+
+
+def _raw_request(url: str, head: bytes, body: bytes = b"") -> tuple[int, bytes]:
+    """One request written byte for byte (headers no client library would send); the status and body."""
+    import socket
+    from urllib.parse import urlsplit
+
+    u = urlsplit(url)
+    with socket.create_connection((u.hostname, u.port), timeout=30) as s:
+        s.sendall(head + b"content-length: " + str(len(body)).encode() + b"\r\nconnection: close\r\n\r\n" + body)
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    status = int(data.split(b" ", 2)[1])
+    return status, data.split(b"\r\n\r\n", 1)[1]
+
+
+@pytest.mark.parametrize("where", ["serve", "embed", "router"])
+def test_a_lone_surrogate_is_a_400_and_never_a_members_failure(tiny_models, grid, where):
+    if where == "serve":
+        server = _serve(tiny_models["gemma3"], grid["router"].url, Limits(context=64))
+        path, body = "/v1/completions", b'{"max_tokens": 1, "prompt": ' + LONE + b"}"
+    else:
+        server = None
+        path, body = "/v1/token/encode", b'{"text": ' + LONE + b"}"
+    with server or _NoServer(grid["router"].url if where == "router" else grid["embed"].url) as s:
+        for _ in range(20):
+            status, reply = _raw_request(s.url, b"POST " + path.encode() + b" HTTP/1.1\r\nhost: x\r\n"
+                                         b"content-type: application/json\r\n", body)
+            assert status == 400, reply
+            assert b"surrogate" in reply
+        # The server (and through the router, the embed member) still serves
+        ok = httpx.post(s.url + "/v1/token/encode", json={"text": "paris"}, timeout=30) if where != "serve" else \
+            httpx.post(s.url + "/v1/completions", json={"prompt": "paris", "max_tokens": 1}, timeout=30)
+        assert ok.status_code == 200, ok.text
+    grid_state = httpx.get(grid["router"].url + "/v1/grid").json()["members"]
+    assert all(m["failures"] == 0 for m in grid_state), grid_state
+
+
+class _NoServer:
+    def __init__(self, url: str):
+        self.url = url
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+
+@pytest.mark.parametrize("header", [b"x-model-id", b"accept"])
+def test_a_non_utf8_forwarded_header_is_a_400_at_the_router(grid, header):
+    status, reply = _raw_request(grid["router"].url, b"POST /v1/token/encode HTTP/1.1\r\nhost: x\r\n"
+                                 b"content-type: application/json\r\n" + header + b": \xff\xfe\r\n", b'{"text": "paris"}')
+    assert status == 400, reply
+
+
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-32"])
+def test_json_bodies_must_be_utf8(grid, encoding):
+    """RFC 8259 §8.1: JSON exchanged between systems is UTF-8; json.loads guessed UTF-16 and UTF-32."""
+    for url in (grid["embed"].url, grid["router"].url):
+        r = httpx.post(url + "/v1/token/encode", content='{"text": "paris"}'.encode(encoding),
+                       headers={"content-type": "application/json"}, timeout=30)
+        assert r.status_code == 400 and "UTF-8" in r.text, r.text

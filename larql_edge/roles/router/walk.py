@@ -20,10 +20,10 @@ from sanic.request import Request
 from sanic.response import HTTPResponse, json, raw
 
 from larql_edge.errors import BadRequest, PayloadTooLarge, ServiceUnavailable
+from larql_edge.net.h1 import Reply
 from larql_edge.roles.router.registry import Member, Registry
 from larql_edge.roles.router.upstream import MemberFailed, forward_headers
 from larql_edge.service import JSON_KIND, body_kind, parse_json
-from larql_edge.net.h1 import Reply
 from larql_edge.wire import ffn as wire
 from larql_edge.wire.numbers import json_int
 
