@@ -204,3 +204,47 @@ def test_json_bodies_must_be_utf8(grid, encoding):
         r = httpx.post(url + "/v1/token/encode", content='{"text": "paris"}'.encode(encoding),
                        headers={"content-type": "application/json"}, timeout=30)
         assert r.status_code == 400 and "UTF-8" in r.text, r.text
+
+
+# -- Medium: --max-queue was ignored while any active slot was free -----------------------------------
+
+
+def test_max_queue_holds_while_a_slot_is_free(tiny_models, grid):
+    """--max-active 2 --max-queue 2 with one slot busy admitted a burst of 30 (29 queued, no 429): the
+    queue was only checked once every slot was taken. Now one more takes the free slot, two queue, and
+    the rest are 429."""
+    with _serve(tiny_models["gemma3"], grid["router"].url, Limits(context=1 << 16, max_active=2, max_queue=2)) as s:
+        started, release = threading.Event(), threading.Event()
+
+        def hold():
+            with httpx.stream("POST", s.url + "/v1/completions", timeout=120,
+                              json={"prompt": "a", "max_tokens": 60_000, "stream": True}) as r:
+                for _ in r.iter_bytes():
+                    started.set()
+                    if release.wait(0.01):
+                        return
+
+        holder = threading.Thread(target=hold)
+        holder.start()
+        try:
+            assert started.wait(30)
+            burst = [{"prompt": "b", "max_tokens": 60_000, "stream": True} for _ in range(30)]
+            with ThreadPoolExecutor(30) as ex:
+                def one(body):
+                    with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=120) as r:
+                        if r.status_code == 200:
+                            release.wait(60)  # keep the stream (and the sequence) until the end
+                        return r.status_code
+
+                futures = [ex.submit(one, b) for b in burst]
+                deadline = time.monotonic() + 60
+                while sum(f.done() for f in futures) < 27 and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                stats = httpx.get(s.url + "/v1/stats").json()
+                release.set()
+                codes = sorted(f.result() for f in futures)
+        finally:
+            release.set()
+            holder.join(60)
+        assert codes == [200] * 3 + [429] * 27, codes
+        assert stats["active"] + stats["queued"] <= 4, stats
