@@ -19,7 +19,7 @@ from larql_edge.model.forward import Transformer
 from larql_edge.roles.client._build import build_remote
 from tests._grid import Procs, remote_args, start_grid, wait_grid
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.under_load]
 
 IDS = [2, 4, 5, 6]
 DRAIN = 4.0  # --drain-seconds of every server here
