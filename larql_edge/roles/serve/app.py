@@ -7,6 +7,7 @@ attention from the vindex (the ``attn`` preset carries it), embeddings, FFN and 
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,6 +16,7 @@ from typing import Any
 from sanic import Sanic
 from sanic.request import Request
 
+from larql_edge.errors import ServiceUnavailable
 from larql_edge.format.vindex import Vindex
 from larql_edge.model.batch import BatchEngine, kv_bytes_per_token
 from larql_edge.model.tokens import TextBound
@@ -81,8 +83,18 @@ def create_app(engine: BatchEngine, served: Served, limits: Limits, name: str = 
                 "active": sched.active_count, "queued": sched.queued_count,
                 "scheduler": sched.stats(), "limits": limits.as_json(engine.spec)}
 
+    async def drain(seconds: float) -> None:
+        """SIGTERM: new requests get a retryable 503, the sequences already admitted have ``seconds``
+        to finish; any still running then ends with an error event and [DONE], never silence."""
+        sched.draining = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + seconds * 0.8  # the rest: for the handlers to send their last events
+        while sched.active_count + sched.queued_count and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        await asyncio.to_thread(sched.stop, ServiceUnavailable("this server is shutting down: retry the request"))
+
     hooks = Hooks(ready=lambda: {"ready": True, "model": served.model_id}, stats=stats,
-                  inflight=lambda: sched.active_count + sched.queued_count, openapi=openapi_spec())
+                  inflight=lambda: sched.active_count + sched.queued_count, openapi=openapi_spec(), drain=drain)
     app = make_app(name, "serve", hooks, max_body=MAX_BODY, error_body=openai_error_body)
     app.config.RESPONSE_TIMEOUT = 3600  # a long generation streams for minutes
     app.ctx.served, app.ctx.scheduler, app.ctx.engine = served, sched, engine
@@ -108,9 +120,9 @@ def create_app(engine: BatchEngine, served: Served, limits: Limits, name: str = 
 
     m.add_flusher(flush)
 
-    @app.before_server_stop
+    @app.after_server_stop
     async def _stop_scheduler(app_):
-        sched.stop()
+        sched.stop()  # already stopped by the drain, unless the app stopped without one
 
     return app
 

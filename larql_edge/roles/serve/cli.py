@@ -97,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     log.info("larql-serve: %s, context %d, %d active + %d queued, chat template %s; grid %s; listening on http://%s:%d",
              served.model_id, context, limits.max_active, limits.max_queue,
              "yes" if served.chat_template else "none", args.ffn, args.host, args.port)
-    serve(lambda: create_app(engine, served, limits), args.host, args.port, access_log=args.access_log)
+    serve(lambda: create_app(engine, served, limits), args.host, args.port, access_log=args.access_log,
+          drain=args.drain_seconds)
     return 0
 
 
