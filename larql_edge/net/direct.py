@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from larql_edge.errors import LarqlError
 from larql_edge.net.h1 import TransportError
 from larql_edge.net.h1_sync import HttpClient
+from larql_edge.net.hops import Hop, HopLog, server_seconds
 from larql_edge.wire.grid import TOPOLOGY, Target, Topology
 
 log = logging.getLogger("larql.net")
@@ -42,6 +43,7 @@ class DirectPath:
         self.ema: dict[str, float] = {}  # url -> seconds a hop took (moving average)
         self._fallback = {layer: [t.url for t in self.targets if t.serves(layer)] for layer in range(num_layers)}
         self._direct: dict[int, list[str]] = {}
+        self.hops: HopLog | None = None  # a refresh is a hop of the token that makes it (tier "topology")
 
     @property
     def enabled(self) -> bool:
@@ -59,10 +61,13 @@ class DirectPath:
     def refresh(self) -> None:
         self.refreshes += 1
         for url in list(self.routers):
+            t0 = time.perf_counter()
             try:
                 r = self.client.request("GET", url + TOPOLOGY, max_body=1 << 20)
             except TransportError:
                 continue
+            if self.hops is not None:
+                self.hops.add(Hop("topology", None, url, time.perf_counter() - t0, server_seconds(r)))
             if r.status_code in (404, 405):  # not a router (a shard serving every layer), or an older one
                 self.routers.remove(url)
                 continue

@@ -256,6 +256,7 @@ class RemoteFfn:
             return out
 
         body = ffn_wire.encode_request(layer, x)
+        self.path.hops = self.replicas.hops
         direct, fallback = self.path.urls(layer)
         out = None
         if self.hedger is not None and len(direct) >= 2:
@@ -287,12 +288,13 @@ class RemoteFfn:
             self.path.succeeded(url, wall)
             return value, wall, server_seconds(r)
 
+        t0 = time.perf_counter()
         got = hedger.run(rows, urls[0], urls[1], send, on_late=self.path.late)
         if got is None:
             return None  # every request sent failed: the usual failover (routers included) takes over
-        url, (value, wall, server), hedged = got
-        if self.replicas.hops is not None:
-            self.replicas.hops.add(Hop("ffn", layer, url, wall, server, hedged))
+        url, (value, _, server), hedged = got
+        if self.replicas.hops is not None:  # the hop as this thread waited for it (hand-offs included)
+            self.replicas.hops.add(Hop("ffn", layer, url, time.perf_counter() - t0, server, hedged))
         return value
 
 
@@ -323,6 +325,7 @@ def build_tiers(s: RemoteSettings, hidden: int, num_layers: int, vocab: int,
                 notice: Callable[[str], None] | None = None, hops: HopLog | None = None) -> RemoteTiers:
     """The remote providers of the forward pass, with one keep-alive client for all three tiers;
     every way the targets fail to cover the model is a `RemoteError` saying which flag to fix."""
+    check_settings(s)
     client = make_client(s.timeout)
     ffn_targets = parse_targets(s.ffn, "--ffn") if s.ffn else []
     embed_urls = [t.url for t in parse_targets(s.embed, "--embed")] if s.embed else [t.url for t in ffn_targets if t.layers is None]
@@ -340,6 +343,24 @@ def build_tiers(s: RemoteSettings, hidden: int, num_layers: int, vocab: int,
     replicas = Replicas(client, s.retries, what="embed server", hops=hops)
     return RemoteTiers(RemoteEmbed(replicas, embed_urls, hidden), ffn,
                        RemoteHead(replicas, embed_urls, hidden, vocab, top_k=s.logits_top_k, notice=notice))
+
+
+def add_path_flags(f) -> None:
+    """The data path's flags, the same for `larql` and larql-serve (``f``: a `larql_edge.config.Flags`)."""
+    f.toggle("--direct", default=True, help="learn the shards from the --ffn router(s) and send each layer's "
+             "FFN request straight to one (the router stays the fallback); --no-direct sends everything via the router")
+    f.toggle("--hedge", default=True, help="with --direct: a hop slower than the p95 of recent hops goes to a second "
+             "live replica too, and the first answer is taken")
+    f.add("--hedge-budget", type=float, default=RemoteSettings.hedge_budget, help="at most this many hedges a second")
+
+
+def check_settings(s: RemoteSettings) -> None:
+    import math
+
+    if not (math.isfinite(s.hedge_budget) and s.hedge_budget >= 0):
+        raise RemoteError("--hedge-budget must be a number >= 0 (hedges per second)")
+    if not (math.isfinite(s.timeout) and s.timeout > 0) or s.retries < 0:
+        raise RemoteError("--timeout must be a positive number of seconds and --retries >= 0")
 
 
 def make_client(timeout: float) -> HttpClient:
