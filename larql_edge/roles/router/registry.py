@@ -61,6 +61,7 @@ class Member:
     layer_latency_ms: dict[int, float] = field(default_factory=dict)
     # What the router itself observes.
     inflight: int = 0
+    inflight_work: int = 0  # rows x layers of the walks in flight to it (their replies' wait, walk._post)
     requests: int = 0
     failures: int = 0
     consecutive_failures: int = 0
