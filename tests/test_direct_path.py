@@ -242,3 +242,29 @@ def test_bad_data_path_flags_are_one_line_errors(grid):
     for flag, value in (("--hedge-budget", "-1"), ("--hedge-budget", "nan"), ("--timeout", "0")):
         r = larql("generate", "--vindex", str(grid["vindex"]), "--ffn", grid["router"].url, "--prompt", "x", flag, value)
         assert r.returncode != 0 and flag in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_serve_takes_the_direct_path_and_exports_the_time_split(grid):
+    """larql-serve's batch engine sends each layer straight to a shard; /metrics splits the hops'
+    time by tier (larql_serve_hop_compute_seconds / _network_seconds) and /v1/stats says which path."""
+    from larql_edge.net.remote import RemoteSettings
+    from larql_edge.roles.serve.app import Limits, create_app, remote_engine, served_model
+    from larql_edge.testing.servers import ServerThread
+
+    vx = Vindex.open(grid["vindex"])
+    engine = remote_engine(vx, RemoteSettings(ffn=grid["router"].url, timeout=30, retries=1))
+    with ServerThread(create_app(engine, served_model(vx, vx.load_tokenizer(), 64, None), Limits(context=64))) as s:
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": [1, 5, 9], "max_tokens": 6, "temperature": 0,
+                                                         "ignore_eos": True}, timeout=60)
+        assert r.status_code == 200, r.text
+        stats = httpx.get(s.url + "/v1/stats").json()
+        text = httpx.get(s.url + "/metrics").text
+    assert stats["data_path"]["direct"] is True and stats["data_path"]["topology"]
+    assert stats["data_path"]["hedge"]["hops"] > 0  # layer 0 has two replicas: its hops are hedgeable
+    for tier in ("embed", "ffn", "logits"):
+        assert f'larql_serve_hop_compute_seconds_count{{tier="{tier}"}}' in text
+        assert f'larql_serve_hop_network_seconds_count{{tier="{tier}"}}' in text
+    assert "larql_serve_local_seconds_count" in text
+    shard_urls = {x.url for xs in grid["shards"].values() for x in xs}
+    assert engine.ffn.path.topology is not None and {t.url for t in engine.ffn.path.topology.shards} == shard_urls
+    # Exactness through serve on this path: test_serve.py (its grid is a router, so the direct path is in use).

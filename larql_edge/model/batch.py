@@ -18,6 +18,7 @@ sliding-window slice is the same), so greedy decoding is the same tokens batched
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -86,6 +87,7 @@ class BatchEngine:
                  head: TopKHead, backend: Backend):
         self.spec, self.attn, self.embedder, self.ffn, self.head, self.backend = spec, attn, embedder, ffn, head, backend
         self.local_s = 0.0  # seconds of attention computed here, so far
+        self.step_local: deque[float] = deque(maxlen=4096)  # ... in each recent step (metrics drain it)
 
     def new_cache(self, context: int) -> SeqCache:
         return SeqCache(self.spec, context)
@@ -151,7 +153,9 @@ class BatchEngine:
         """One step: per chunk, the top ``k`` of its next token (None for a chunk not asking)."""
         if not chunks:
             return []
+        local0 = self.local_s
         h = self.forward(chunks)
+        self.step_local.append(self.local_s - local0)
         last, at = [], 0
         for c in chunks:
             at += len(c.ids)
