@@ -302,6 +302,8 @@ class HopMetrics:
         self.local = metrics.histogram("local_seconds", "Attention computed here, per token (client) or step (serve)",
                                        (), HOP_BUCKETS)
         self.hedges = metrics.counter("hedges", "Hedged hops: sent to a second replica, and won by it", ("outcome",))
+        for outcome in ("sent", "won"):
+            self.hedges.labels(outcome)  # both series exist from the start (at 0)
         self._hedged = (0, 0)
 
     def record(self, hops, local_s: float | None = None) -> None:
