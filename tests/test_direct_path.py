@@ -39,7 +39,7 @@ def test_the_router_publishes_its_live_shards_as_a_topology(grid):
     got = sorted((t.url, str(t.layers)) for t in topo.shards)
     want = sorted([(s.url, "0-0") for s in grid["shards"]["0-0"]] + [(grid["shards"]["1-1"][0].url, "1-1")])
     assert got == want
-    assert topo.refresh_s == 0.25 and len(topo.version) == 16
+    assert topo.refresh_s == 0.25 and len(topo.version) == 16 and topo.embed == (grid["embed"].url,)
     assert Topology.from_json(httpx.get(grid["router"].url + TOPOLOGY).json()).version == topo.version
 
 
@@ -56,11 +56,13 @@ def test_a_malformed_topology_is_refused(bad):
 def test_the_client_sends_each_layer_straight_to_a_shard_and_stays_exact(grid):
     local = list(Transformer.local(grid["vindex"]).generate(IDS, 8, stop_ids=[]))
     hops = HopLog()
-    remote = build_remote(Vindex.open(grid["vindex"]), remote_args(ffn=grid["router"].url, hedge=False))
-    remote.ffn_provider.replicas.hops = hops
+    remote = build_remote(Vindex.open(grid["vindex"]), remote_args(ffn=grid["router"].url, hedge=False), hops)
     assert list(remote.generate(IDS, 8, stop_ids=[])) == local
     shard_urls = {s.url for ss in grid["shards"].values() for s in ss}
-    ffn = [h for h in hops.drain() if h.tier == "ffn"]
+    got = hops.drain()
+    ffn = [h for h in got if h.tier == "ffn"]
+    # Embeddings and logits straight from the embed server the router lists, too.
+    assert {h.url for h in got if h.tier in ("embed", "logits")} == {grid["embed"].url}
     assert len(ffn) == 2 * 9 and {h.url for h in ffn} <= shard_urls  # the router served no walk-ffn
     assert {h.url for h in ffn if h.layer == 1} == {grid["shards"]["1-1"][0].url}
     # Both replicas of layer 0 were tried (each is measured before the faster one is preferred).
@@ -70,10 +72,9 @@ def test_the_client_sends_each_layer_straight_to_a_shard_and_stays_exact(grid):
 
 def test_without_direct_every_layer_goes_through_the_router(grid):
     hops = HopLog()
-    remote = build_remote(Vindex.open(grid["vindex"]), remote_args(ffn=grid["router"].url, direct=False))
-    remote.ffn_provider.replicas.hops = hops
+    remote = build_remote(Vindex.open(grid["vindex"]), remote_args(ffn=grid["router"].url, direct=False), hops)
     list(remote.generate(IDS, 3, stop_ids=[]))
-    assert {h.url for h in hops.drain() if h.tier == "ffn"} == {grid["router"].url}
+    assert {h.url for h in hops.drain() if h.tier != "topology"} == {grid["router"].url}
     assert remote.ffn_provider.path.topology is None
 
 

@@ -49,14 +49,22 @@ class DirectPath:
     def enabled(self) -> bool:
         return bool(self.routers)
 
-    def urls(self, layer: int) -> tuple[list[str], list[str]]:
-        """(the live shards serving ``layer``, fastest first; the command line's targets for it)."""
+    def _live(self, urls) -> list[str]:
         if self.routers and self.clock() >= self.next_refresh:
             self.refresh()
         now = self.clock()
-        direct = [u for u in self._direct.get(layer, ()) if self._down.get(u, (0.0, 0))[0] <= now]
-        direct.sort(key=lambda u: self.ema.get(u, 0.0))  # one never tried goes first: it gets measured
-        return direct, self._fallback.get(layer, [])
+        out = [u for u in urls() if self._down.get(u, (0.0, 0))[0] <= now]
+        out.sort(key=lambda u: self.ema.get(u, 0.0))  # one never tried goes first: it gets measured
+        return out
+
+    def urls(self, layer: int) -> tuple[list[str], list[str]]:
+        """(the live shards serving ``layer``, fastest first; the command line's targets for it)."""
+        return self._live(lambda: self._direct.get(layer, ())), self._fallback.get(layer, [])
+
+    def embed_urls(self, fallback: Sequence[str]) -> list[str]:
+        """The live embed servers, fastest first, then ``fallback`` (the routers, which proxy one)."""
+        direct = self._live(lambda: self.topology.embed if self.topology is not None else ())
+        return direct + [u for u in fallback if u not in direct]
 
     def refresh(self) -> None:
         self.refreshes += 1
@@ -87,7 +95,8 @@ class DirectPath:
         self.next_refresh = self.clock() + COOLDOWN_FIRST_S
 
     def is_direct(self, url: str) -> bool:
-        return self.topology is not None and any(t.url == url for t in self.topology.shards)
+        t = self.topology
+        return t is not None and (url in t.embed or any(s.url == url for s in t.shards))
 
     def succeeded(self, url: str, seconds: float) -> None:
         self._down.pop(url, None)

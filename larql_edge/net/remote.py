@@ -110,8 +110,9 @@ class Replicas:
 class RemoteEmbed:
     """Token ids -> scaled input rows, from POST /v1/embed (binary)."""
 
-    def __init__(self, replicas: Replicas, urls: Sequence[str], hidden: int):
+    def __init__(self, replicas: Replicas, urls: Sequence[str], hidden: int, path: DirectPath | None = None):
         self.replicas, self.urls, self.hidden = replicas, list(urls), hidden
+        self.path = path  # with the direct data path: the embed servers the routers list come first
 
     def embed(self, ids: Sequence[int]) -> np.ndarray:
         def decode(r: Reply) -> np.ndarray:
@@ -120,7 +121,8 @@ class RemoteEmbed:
                 raise RemoteError(f"{list(rows.shape)} rows, expected [{len(ids)}, {self.hidden}]: another model?")
             return rows
 
-        return self.replicas.request(self.urls, "POST", "/v1/embed", content=embed_wire.encode_embed_request(ids),
+        urls = self.path.embed_urls(self.urls) if self.path is not None else self.urls
+        return self.replicas.request(urls, "POST", "/v1/embed", content=embed_wire.encode_embed_request(ids),
                                      headers={"content-type": ffn_wire.CONTENT_TYPE, "accept": ffn_wire.CONTENT_TYPE},
                                      decode=decode, hop=("embed", None))
 
@@ -138,11 +140,15 @@ class RemoteHead:
     MAX_ROWS = 64  # rows per many-rows logits request: the embed server's default --max-batch
 
     def __init__(self, replicas: Replicas, urls: Sequence[str], hidden: int, vocab: int, top_k: int = 64,
-                 notice: Callable[[str], None] | None = None):
+                 notice: Callable[[str], None] | None = None, path: DirectPath | None = None):
         self.replicas, self.urls, self.hidden, self.vocab = replicas, list(urls), hidden, vocab
+        self.path = path
         self.top_k = max(1, min(top_k, vocab))
         self.mode = "raw"
         self.notice = notice
+
+    def _urls(self) -> list[str]:
+        return self.path.embed_urls(self.urls) if self.path is not None else self.urls
 
     def _raw(self, row: np.ndarray) -> np.ndarray | None:
         def decode(r: Reply) -> np.ndarray | None:
@@ -150,7 +156,7 @@ class RemoteHead:
                 return None  # a server that only answers top-k JSON (LARQL's)
             return embed_wire.decode_logits_response(r.content, self.vocab)
 
-        return self.replicas.request(self.urls, "POST", "/v1/logits", content=embed_wire.encode_logits_request(row),
+        return self.replicas.request(self._urls(), "POST", "/v1/logits", content=embed_wire.encode_logits_request(row),
                                      headers={"content-type": ffn_wire.CONTENT_TYPE, "accept": ffn_wire.CONTENT_TYPE},
                                      decode=decode, hop=("logits", None))
 
@@ -171,7 +177,7 @@ class RemoteHead:
             return out
 
         body = json_lib.dumps({"residual": row.tolist(), "top_k": self.top_k, "temperature": 1.0}).encode()
-        return self.replicas.request(self.urls, "POST", "/v1/logits", content=body,
+        return self.replicas.request(self._urls(), "POST", "/v1/logits", content=body,
                                      headers={"content-type": "application/json"}, decode=decode, hop=("logits", None))
 
     def top_k_rows(self, h: np.ndarray, k: int) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -199,7 +205,7 @@ class RemoteHead:
                 raise RemoteError(f"malformed many-rows logits ({e})") from None
             return out
 
-        return self.replicas.request(self.urls, "POST", f"/v1/logits?rows={rows.shape[0]}&top_k={k}&temperature=1",
+        return self.replicas.request(self._urls(), "POST", f"/v1/logits?rows={rows.shape[0]}&top_k={k}&temperature=1",
                                      content=embed_wire.encode_logits_rows_request(rows),
                                      headers={"content-type": ffn_wire.CONTENT_TYPE}, decode=decode, hop=("logits", None))
 
@@ -332,17 +338,23 @@ def build_tiers(s: RemoteSettings, hidden: int, num_layers: int, vocab: int,
     if not embed_urls:
         raise RemoteError("--embed URL is needed when --ffn names shards by layer range (a router URL serves both)")
     ffn = None
+    path = DirectPath(client, ffn_targets, num_layers, enabled=s.direct)
+    path.hops = hops
     if ffn_targets:
         hedger = Hedger(lambda: make_client(s.timeout), s.hedge_budget) if s.hedge and s.direct else None
         ffn = RemoteFfn(Replicas(client, s.retries, what="FFN", hops=hops), ffn_targets, hidden, num_layers,
-                        f16=s.ffn_f16, path=DirectPath(client, ffn_targets, num_layers, enabled=s.direct), hedger=hedger)
+                        f16=s.ffn_f16, path=path, hedger=hedger)
         missing = ffn.missing_layers()
         if missing:
             holes = ", ".join(str(g) for g in gaps(set(range(num_layers)) - set(missing), num_layers))
             raise RemoteError(f"no --ffn target serves layers {holes} (the model has {num_layers} layers)")
     replicas = Replicas(client, s.retries, what="embed server", hops=hops)
-    return RemoteTiers(RemoteEmbed(replicas, embed_urls, hidden), ffn,
-                       RemoteHead(replicas, embed_urls, hidden, vocab, top_k=s.logits_top_k, notice=notice))
+    # --embed given: those servers, as given. Else the routers' embed servers first (direct path).
+    epath = path if path.enabled and not s.embed else None
+    if epath is not None:
+        replicas.on_success, replicas.on_failure = epath.succeeded, epath.failed
+    return RemoteTiers(RemoteEmbed(replicas, embed_urls, hidden, path=epath), ffn,
+                       RemoteHead(replicas, embed_urls, hidden, vocab, top_k=s.logits_top_k, notice=notice, path=epath))
 
 
 def add_path_flags(f) -> None:
