@@ -118,11 +118,14 @@ class Transformer:
     def new_cache(self) -> KVCache:
         return KVCache.empty(self.spec.num_layers)
 
-    def _attention(self, layer: int, x: np.ndarray, cache: KVCache, start: int) -> np.ndarray:
+    def _attention(self, layer: int, x: np.ndarray, cache: KVCache, start: int, rope: dict) -> np.ndarray:
         s, w, be = self.spec, self.attn[layer], self.backend
         seq = x.shape[0]
         pos = np.arange(start, start + seq)
-        q, k, v = project_qkv(s, w, be, x, ops.rope_tables(pos, s.head_dim, s.rope_base_for(layer)))
+        base = s.rope_base_for(layer)
+        if base not in rope:  # two bases at most (sliding and full layers): computed once per forward
+            rope[base] = ops.rope_tables(pos, s.head_dim, base)
+        q, k, v = project_qkv(s, w, be, x, rope[base])
         if cache.keys[layer] is not None:
             k = np.concatenate([cache.keys[layer], k], axis=1)
             v = np.concatenate([cache.values[layer], v], axis=1)
@@ -143,10 +146,11 @@ class Transformer:
         eps, off = s.rms_norm_eps, s.family.norm_offset
         h = np.asarray(self.embedder.embed(ids), dtype=np.float32)
         start = cache.length
+        rope: dict = {}
         for layer in range(s.num_layers):
             w = self.attn[layer]
             t = time.perf_counter()
-            a = self._attention(layer, ops.rms_norm(h, w.pre_attn_norm, eps, off), cache, start)
+            a = self._attention(layer, ops.rms_norm(h, w.pre_attn_norm, eps, off), cache, start, rope)
             if w.post_attn_norm is not None:
                 a = ops.rms_norm(a, w.post_attn_norm, eps, off)
             h = h + a
