@@ -74,6 +74,8 @@ def _up_generate_stop(argv: list[str], local_vindex, n_pids: int, ranges: list[s
         pids = [int(p) for p in re.findall(r"pid (\d+)", text)]
         assert len(pids) == n_pids, text
         assert all(f"layers {r}" in text for r in ranges), text
+        # A line as each role becomes ready: the wait is never silent, also into a pipe.
+        assert "router ready (" in text and "embed ready (" in text, text
         cmd = next(line.strip() for line in text.splitlines() if line.strip().startswith("larql generate"))
         args = shlex.split(cmd)[1:]
         args[args.index("--max-tokens") + 1] = "4"
@@ -124,3 +126,22 @@ def test_grid_up_rejects_bad_counts(tiny_models):
 
     r = run_cli(main, "up", "--vindex", str(tiny_models["llama"]), "--shards", "5")
     assert r.returncode == 1 and "cannot split 2 layers into 5 shards" in r.stderr
+
+
+def test_commands_are_named_by_path_when_the_venv_is_not_on_path(tmp_path, monkeypatch):
+    """`.venv/bin/larql-grid up` (the venv not activated) started `larql-embed` by name, which PATH
+    does not find, and printed a `larql generate` the shell cannot run: both name the venv's bin/."""
+    from larql_edge.tools.grid.cli import console_script
+
+    bin_dir = tmp_path / ".venv" / "bin"
+    bin_dir.mkdir(parents=True)
+    for name in ("python", "larql", "larql-embed"):
+        (bin_dir / name).write_text("#!/bin/sh\n")
+        (bin_dir / name).chmod(0o755)
+    monkeypatch.setattr("sys.executable", str(bin_dir / "python"))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    assert console_script("larql") == ".venv/bin/larql"
+    assert console_script("larql-embed") == ".venv/bin/larql-embed"
+    monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")  # activated: by name, as the README shows
+    assert console_script("larql") == "larql"
