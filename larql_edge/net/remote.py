@@ -25,7 +25,7 @@ import numpy as np
 from larql_edge.errors import RemoteError, WireError
 from larql_edge.format.layers import LayerRange
 from larql_edge.net.failures import is_caller_mistake, is_success
-from larql_edge.net.h1 import Reply, TransportError, describe, error_text
+from larql_edge.net.h1 import ConnectFailed, Reply, TransportError, describe, error_text
 from larql_edge.net.h1_sync import HttpClient
 from larql_edge.wire import embed as embed_wire
 from larql_edge.wire import ffn as ffn_wire
@@ -69,11 +69,19 @@ class Replicas:
     warm keep-alive connection and a dead one costs one failed attempt, not one per request.
     """
 
-    def __init__(self, client: HttpClient, retries: int = 4, backoff: float = BACKOFF_FIRST_S, what: str = "server"):
+    def __init__(self, client: HttpClient, retries: int = 4, backoff: float = BACKOFF_FIRST_S, what: str = "server",
+                 on_retry: Callable[[str], None] | None = None, refused_first_is_fatal: bool = False):
+        """``on_retry`` gets a line before each wait (a command line shows it: retries can take ~15 s).
+        ``refused_first_is_fatal``: when no replica has ever answered and every one refuses the
+        connection (nothing listens: the grid is not up), fail at once instead of retrying for
+        seconds; once one has answered, a refusal is a restart and is retried as usual."""
         self.client = client
         self.retries = max(0, retries)
         self.backoff = backoff
         self.what = what
+        self.on_retry = on_retry
+        self.refused_first_is_fatal = refused_first_is_fatal
+        self.answered = False
         self._preferred: dict[tuple[str, ...], str] = {}
         self.failovers = 0
 
@@ -89,6 +97,7 @@ class Replicas:
             order.remove(first)
             order.insert(0, first)
         reasons: list[str] = []
+        refused: set[str] = set()
         delay = self.backoff
         for attempt in range(self.retries + 1):
             url = order[attempt % len(order)]
@@ -96,6 +105,11 @@ class Replicas:
                 r = self.client.request(method, url + path, content=content, headers=headers)
             except TransportError as e:
                 reasons.append(f"{url}: {describe(e)}")
+                if isinstance(e, ConnectFailed):
+                    refused.add(url)
+                    if self.refused_first_is_fatal and not self.answered and refused >= set(order):
+                        raise RemoteError(f"{self.what}{about}: nothing answers at {', '.join(order)} "
+                                          "(connection refused or unreachable): is it running?") from None
             else:
                 if is_success(r.status_code):
                     try:
@@ -104,6 +118,7 @@ class Replicas:
                         reasons.append(f"{url}: unusable reply ({e})")
                     else:
                         self._preferred[key] = url
+                        self.answered = True
                         return value
                 elif is_caller_mistake(r.status_code):  # every replica would say the same: never retried
                     raise RemoteError(f"{self.what} {url}{path}{about}: HTTP {r.status_code}: {error_text(r)}")
@@ -111,6 +126,9 @@ class Replicas:
                     reasons.append(f"{url}: HTTP {r.status_code} {error_text(r)}".rstrip())
             self.failovers += 1
             if attempt < self.retries:
+                if self.on_retry is not None:
+                    self.on_retry(f"{self.what}{about}: {reasons[-1]}; retrying in {delay:.1f}s "
+                                  f"(attempt {attempt + 2} of {self.retries + 1})")
                 time.sleep(delay)
                 delay = min(delay * 2, BACKOFF_MAX_S)
         raise RemoteError(f"{self.what}{about}: no replica answered after {self.retries + 1} attempts: "

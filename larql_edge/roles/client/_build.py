@@ -38,6 +38,16 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
 
 
 
+def _patience() -> dict:
+    """A command line: a grid that is not up is an error at once, and every retry wait is a line on
+    stderr (the default budget spans ~15 s, which silent looks like a hang)."""
+
+    def say(line: str) -> None:
+        print(f"larql: {line}", file=sys.stderr, flush=True)
+
+    return {"on_retry": say, "refused_first_is_fatal": True}
+
+
 def build_model(args: argparse.Namespace):
     if not args.vindex:
         raise VindexError("--vindex is required (or set LARQL_VINDEX)")
@@ -76,8 +86,8 @@ def build_remote(vx: Vindex, args: argparse.Namespace) -> Transformer:
     if not embed_urls:
         raise RemoteError("--embed URL is needed when --ffn names shards by layer range (a router URL serves both)")
     if args.ffn:
-        remote_ffn = RemoteFfn(Replicas(client, args.retries, what="FFN"), ffn_targets, spec.hidden_size, spec.num_layers,
-                               f16=args.ffn_f16)
+        remote_ffn = RemoteFfn(Replicas(client, args.retries, what="FFN", **_patience()), ffn_targets,
+                               spec.hidden_size, spec.num_layers, f16=args.ffn_f16)
         missing = remote_ffn.missing_layers()
         if missing:
             from larql_edge.format.layers import gaps
@@ -87,7 +97,7 @@ def build_remote(vx: Vindex, args: argparse.Namespace) -> Transformer:
         ffn: RemoteFfn | LocalFfn = remote_ffn
     else:
         ffn = LocalFfn(vx, spec, backend=be)
-    embed_replicas = Replicas(client, args.retries, what="embed server")
+    embed_replicas = Replicas(client, args.retries, what="embed server", **_patience())
     return Transformer(
         spec=spec,
         attn=load_attention(vx, spec, be),

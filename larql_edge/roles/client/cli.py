@@ -84,11 +84,17 @@ def generate(args: argparse.Namespace) -> int:
     if not args.json:
         sys.stdout.write(args.prompt)
         sys.stdout.flush()
-    for t in model.generate(ids, args.max_tokens, args.temperature, args.seed):
-        out.append(t)
-        if not args.json:
-            sys.stdout.write(stream.push(t))
+    try:
+        for t in model.generate(ids, args.max_tokens, args.temperature, args.seed):
+            out.append(t)
+            if not args.json:
+                sys.stdout.write(stream.push(t))
+                sys.stdout.flush()
+    except BaseException:
+        if not args.json:  # the error (or ^C) goes on a line of its own, not glued to the text
+            sys.stdout.write(stream.flush() + "\n")
             sys.stdout.flush()
+        raise
     dt = time.perf_counter() - t0
     if args.json:
         print(json.dumps({"prompt": args.prompt, "prompt_ids": ids, "generated_ids": out,
