@@ -47,6 +47,7 @@ def test_names_are_derived_as_the_record_says():
     assert split_sibling_suffix("o/m-vindex") == ("o/m-vindex", None)
 
 
+@pytest.mark.slow  # tens of seconds in-process (tests/conftest.py: the tiers)
 def test_publish_default_slices_then_republish_unchanged(hub, vindex):
     rep = _publish(hub, vindex)
     repos = [r.repo for r in rep.repos]
@@ -111,6 +112,7 @@ def test_repo_type_model_everywhere(hub, vindex):
     assert rep.repos[1].repo == f"{REPO}-embed"
 
 
+@pytest.mark.slow  # tens of seconds in-process (tests/conftest.py: the tiers)
 def test_pull_preset_all_slices_and_collection(hub, vindex, tmp_path):
     rep = _publish(hub, vindex)
     got = pull(REPO, preset="embed", output=tmp_path / "embed", endpoint=hub.url, token=hub.token, log=quiet)
@@ -204,6 +206,7 @@ def test_server_errors_are_clear(hub, vindex, tmp_path, status, match):
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.slow  # tens of seconds in-process (tests/conftest.py: the tiers)
 def test_cli_never_prints_the_token(hub, vindex, tmp_path, hf_env, monkeypatch):
     for k, v in {"HF_TOKEN": hub.token, "HF_ENDPOINT": hub.url}.items():
         monkeypatch.setenv(k, v)
