@@ -244,3 +244,24 @@ def test_publish_real_gemma_default_slices(hub, gemma_f16, tmp_path):
     publish(gemma_f16, "test-user/gemma-3-270m-vindex", endpoint=hub.url, token=hub.token, log=quiet, tmp_dir=tmp_path)
     assert hub.lfs_bytes_uploaded() == 0
     assert total > 1_000_000_000  # six repos of a 525 MB vindex went up the first time
+
+
+def test_publish_without_a_token_says_so_before_any_network(vindex, hf_env):
+    """With no token `publish` retried a Hub it could not reach for ~27 s, then blamed the network."""
+    from tests._grid import free_port
+
+    r = slicer("publish", str(vindex), "--repo", REPO, "--endpoint", f"http://127.0.0.1:{free_port()}")
+    assert r.returncode == 1, r.stderr
+    assert "needs a Hub token" in r.stderr and "HF_TOKEN" in r.stderr and "hf auth login" in r.stderr
+    assert "could not be reached" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_dry_run_fails_clearly_when_the_hub_cannot_be_reached(vindex, hf_env):
+    """`publish --dry-run` with no Hub printed a whole upload plan (`would upload 12 files, skip 0`)
+    and exited 0, as if the Hub were empty. A Hub it cannot list is an error, not an empty repo."""
+    from tests._grid import free_port
+
+    r = slicer("publish", str(vindex), "--repo", REPO, "--dry-run", "--endpoint", f"http://127.0.0.1:{free_port()}")
+    assert r.returncode == 1, r.stdout
+    assert "would upload" not in r.stdout
+    assert "could not be reached" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
