@@ -17,7 +17,6 @@ from sanic.request import Request
 
 from larql_edge.format.vindex import Vindex
 from larql_edge.model.batch import BatchEngine, kv_bytes_per_token
-from larql_edge.model.tokens import TextBound
 from larql_edge.service import Hooks, make_app
 
 from .api import openai_error_body
@@ -56,9 +55,6 @@ class Served:
     eos_ids: tuple[int, ...]
     names: frozenset[str] = frozenset()  # every name a request may give for the model (model_id too)
     created: int = field(default_factory=lambda: int(time.time()))
-
-    def __post_init__(self) -> None:
-        self.bound = TextBound(self.tokenizer)  # a prompt longer than this is refused untokenized
 
 
 def effective_limits(limits: Limits, spec) -> Limits:
