@@ -60,10 +60,9 @@ def fresh_copy(dest: Path) -> None:
     files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
                            capture_output=True, check=True).stdout
     dest.mkdir(parents=True)
-    subprocess.run(["tar", "--null", "-T", "-", "-cf", "-"], cwd=ROOT, input=files, stdout=open(dest / ".tar", "wb"),
-                   check=True)
-    subprocess.run(["tar", "-xf", ".tar"], cwd=dest, check=True)
-    (dest / ".tar").unlink()
+    archive = subprocess.run(["tar", "--null", "-T", "-", "-cf", "-"], cwd=ROOT, input=files, capture_output=True,
+                             check=True).stdout
+    subprocess.run(["tar", "-xf", "-"], cwd=dest, input=archive, check=True)
 
 
 @pytest.mark.timeout(3600)
@@ -102,7 +101,7 @@ def test_readme_first_command_on_stock_bookworm():
             assert r.returncode == 0, r.stderr
             assert r.stdout.strip() == shown.strip(), (r.stdout, shown)
             # Nothing went into the system interpreter: the package lives in the project's .venv only.
-            sys_py = dk.run(["docker", "exec", name, "python3", "-c", "import larql_edge"], timeout=60, check=False)
+            sys_py = dk.run(["docker", "exec", "-w", "/", name, "python3", "-c", "import larql_edge"], timeout=60, check=False)
             assert sys_py.returncode != 0 and "No module named 'larql_edge'" in sys_py.stderr
             dk.run(["docker", "stop", "-t", "30", name], timeout=120)
             tail = dk.run(["docker", "logs", name], timeout=60).stderr

@@ -144,7 +144,9 @@ def served_model(vx: Vindex, tokenizer, context: int, chat_template_file: str | 
     from .chat import eos_from_generation_config, load_chat_template
 
     spec = ModelSpec.from_index(vx.index)
-    eos = tuple(dict.fromkeys(spec.eos_token_ids + eos_from_generation_config(Path(vx.path))))
+    chat = load_chat_template(Path(vx.path), chat_template_file, tokenizer, vx.index.family)
+    turn_end = (tokenizer.token_to_id(chat.end_of_turn),) if chat is not None and chat.end_of_turn else ()
+    eos = tuple(dict.fromkeys(spec.eos_token_ids + eos_from_generation_config(Path(vx.path)) + turn_end))
     return Served(model_id=names[0] if names else vx.model, tokenizer=tokenizer, vocab=spec.vocab_size, context=context,
-                  chat_template=load_chat_template(Path(vx.path), chat_template_file), eos_ids=eos,
+                  chat_template=chat, eos_ids=eos,
                   names=frozenset((*names, vx.model)))
