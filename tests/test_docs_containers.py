@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,3 +56,34 @@ def test_every_compose_setting_is_documented():
     missing = [s for s in settings if s not in DOC]
     assert not missing, f"compose.yaml settings not named in docs/containers.md: {missing}"
     assert "LARQL_EDGE=varnish" in DOC
+
+
+def documented_sizes() -> dict[str, float]:
+    return {m.group(1): float(m.group(2)) for m in re.finditer(r"^\| `(larql-[a-z]+)` \|.*\| (\d+) MB \|\s*$", DOC, re.M)}
+
+
+def test_every_built_image_has_a_documented_size():
+    sizes = documented_sizes()
+    missing = [i for i in built_images() if ":" not in i and i not in sizes]
+    assert not missing, f"images without a size in docs/containers.md's table: {missing}"
+
+
+@pytest.mark.docker
+def test_documented_image_sizes_are_the_built_ones():
+    """The table was ~217 MB low: each documented size is within 15% of the image built here (as
+    `docker images` counts, 10^6 bytes). CI builds the images before the tests (.ci/run)."""
+    import subprocess
+
+    from tests import _docker as dk
+
+    dk.require_engine()
+    off = {}
+    for name, mb in documented_sizes().items():
+        r = subprocess.run(["docker", "image", "inspect", "-f", "{{.Size}}", dk.image(name.removeprefix("larql-"))],
+                           capture_output=True, text=True, timeout=60)
+        if r.returncode != 0:
+            pytest.fail(f"{name} is not built here: run docker/build-images.sh ({r.stderr.strip()[:200]})")
+        actual = int(r.stdout) / 1e6
+        if abs(actual - mb) > 0.15 * actual:
+            off[name] = f"documented {mb:.0f} MB, built {actual:.0f} MB"
+    assert not off, off

@@ -126,3 +126,22 @@ def _logs_until(name: str, marker: str, timeout: float) -> str:
         if state != "true" or time.monotonic() > deadline:
             pytest.fail(f"no {marker!r} (container running: {state}):\n{text[-6000:]}")
         time.sleep(2)
+
+
+@pytest.mark.timeout(900)
+def test_compose_before_build_images_says_what_to_run(tmp_path):
+    """`docker compose up grid` before docker/build-images.sh failed with a raw
+    `COPY failed ... wheelhouse/requirements.txt`: now one line names the script to run."""
+    dk.require_engine()
+    if dk.run(["docker", "image", "inspect", BASE], timeout=60, check=False).returncode != 0:
+        dk.run([ROOT / "docker" / "base" / "build-base-image.sh", "--tag", BASE], timeout=1800)
+    fresh_copy(tmp_path / "clone")  # a clone has no wheelhouse/ (git-ignored)
+    assert not (tmp_path / "clone" / "wheelhouse").exists()
+    tag = f"{dk.PREFIX}-nowheel"
+    r = dk.run(["docker", "compose", "-p", tag, "build", "slicer"], timeout=600, check=False, cwd=tmp_path / "clone",
+               env={"LARQL_TAG": tag})
+    out = r.stdout + r.stderr
+    assert r.returncode != 0, out[-3000:]
+    lines = [line for line in out.splitlines() if "run docker/build-images.sh first" in line]
+    assert lines and "no wheelhouse/" in lines[0], out[-3000:]
+    assert "COPY failed" not in out and "no source files" not in out, out[-3000:]
