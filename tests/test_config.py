@@ -90,7 +90,7 @@ def test_every_numeric_flag_refuses_a_negative_value(monkeypatch):
 
     flags = list(_numeric_flags())
     assert len(flags) >= 30 and any(f[3] == "--hot-cache" for f in flags)
-    for cli, parser, path, flag, name in flags:
+    for _cli, parser, path, flag, name in flags:
         for value in ("-5", "-0.5", "nan"):
             err = io.StringIO()
             with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as e:
