@@ -87,3 +87,16 @@ def test_documented_image_sizes_are_the_built_ones():
         if abs(actual - mb) > 0.15 * actual:
             off[name] = f"documented {mb:.0f} MB, built {actual:.0f} MB"
     assert not off, off
+
+
+def test_the_readme_names_every_tool_scripts_test_installs():
+    """`scripts/test` installed more tools than the README's getting-started line listed."""
+    setup = (ROOT / "scripts" / "setup").read_text()
+    tools = re.findall(r"missing\+=\(([a-z-]+)\)", setup)
+    assert {"nginx", "varnish", "prometheus"} <= set(tools)
+    tools += ["helm", "kubectl"]  # scripts/install-k8s-tools, from PyPI
+    readme = (ROOT / "README.md").read_text()
+    start = readme.index("## Getting started")
+    section = readme[start:readme.index("\n## ", start + 1)]
+    missing = [t for t in tools if t not in section]
+    assert not missing, f"scripts/setup test installs {missing}, which README's getting started does not name"
