@@ -100,3 +100,14 @@ def test_the_readme_names_every_tool_scripts_test_installs():
     section = readme[start:readme.index("\n## ", start + 1)]
     missing = [t for t in tools if t not in section]
     assert not missing, f"scripts/setup test installs {missing}, which README's getting started does not name"
+
+
+def test_the_readme_openai_example_is_installable():
+    """The README's `from openai import OpenAI` needed a `pip install openai` that nothing ran or said."""
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert any(r.startswith("openai") for r in extras["openai"])
+    assert re.search(r'extras="[^"]*\bopenai\b', (ROOT / "scripts" / "setup").read_text())
+    readme = (ROOT / "README.md").read_text()
+    assert "from openai import OpenAI" in readme and "larql-edge[openai]" in readme
