@@ -103,7 +103,8 @@ def proxy_process(host: str, target_port: int, delay_ms: float, jitter_ms: float
 
 
 def remote_args(url: str) -> RemoteSettings:
-    return RemoteSettings(ffn=url, timeout=120.0, retries=2)
+    # direct=False: the proxy sits in front of the router; the direct path would go around it to the shards.
+    return RemoteSettings(ffn=url, timeout=120.0, retries=2, direct=False)
 
 
 def main() -> int:
