@@ -30,6 +30,7 @@ from larql_edge.net.h1 import (
     ReplyTooLarge,
     TimedOut,
 )
+from larql_edge.net.tls import client_context
 
 PIECE = 64 << 10  # close-delimited bodies are read in pieces, so the size bound stops early
 _HEX = b"0123456789abcdefABCDEF"
@@ -84,7 +85,7 @@ class H1Pool:
 
     async def _open(self, host: str, port: int, scheme: str) -> _Conn:
         if scheme == "https" and self._ssl is None:
-            self._ssl = ssl.create_default_context()
+            self._ssl = client_context()
         try:
             reader, writer = await asyncio.wait_for(
                 asyncio.open_connection(host, port, ssl=self._ssl if scheme == "https" else None,

@@ -8,7 +8,7 @@ Public surface:
 - `body_kind`, `json_body`, `json_object`, `parse_json`: one content-type rule, bounded JSON;
 - `Compute`: work off the event loop with an in-flight count;
 - `Metrics`: the role's metric families;
-- `add_server_flags`, `pin_blas`, `setup_logging`, `serve`: what every server's `main` does.
+- `add_server_flags`, `pin_blas`, `setup_logging`, `serve`, `tls_settings`: what every server's `main` does.
 """
 
 from ._app import make_app
@@ -17,10 +17,10 @@ from ._compute import Compute
 from ._envelope import error_response, install_error_envelope
 from ._ops import Hooks
 from .metrics import Metrics
-from .serving import add_server_flags, pin_blas, serve, setup_logging
+from .serving import add_server_flags, pin_blas, serve, setup_logging, tls_settings
 
 __all__ = [
     "BINARY_KIND", "JSON_KIND", "Compute", "Hooks", "Metrics", "add_server_flags", "body_kind", "content_type",
     "error_response", "install_error_envelope", "json_body", "json_object", "make_app", "parse_json", "pin_blas",
-    "read_body", "serve", "setup_logging",
+    "read_body", "serve", "setup_logging", "tls_settings",
 ]  # fmt: skip

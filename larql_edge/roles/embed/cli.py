@@ -20,7 +20,7 @@ from larql_edge.config import Flags, cache_dir, export_blas_threads, positional_
 from larql_edge.errors import LarqlError
 from larql_edge.model.lm_head import HEAD_FORMATS
 from larql_edge.roles.embed.config import EmbedConfig, Limits, ModelSource, check_model_id, model_id_for
-from larql_edge.service import add_server_flags, serve, setup_logging
+from larql_edge.service import add_server_flags, serve, setup_logging, tls_settings
 from larql_edge.service.membership import add_membership_flags, membership_settings
 
 
@@ -120,6 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.batch_wait_ms < 0:
         parser.error("--batch-wait-ms must be >= 0")
     try:
+        tls = tls_settings(args)
+        if tls.serving and args.workers > 1:
+            raise ValueError("TLS with --workers > 1 is not supported: run one worker per process")
         grid = membership_settings(args, args.host, args.port)  # None without --join; messages never hold the key
         sources = _sources(items)
     except (LarqlError, ValueError) as e:  # an unreadable folder or a bad id: say it before binding anything
@@ -141,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         return e.exit_code
     from larql_edge.roles.embed.app import create_app
 
-    serve(partial(create_app, cfg), cfg.host, cfg.port, workers=cfg.workers, access_log=cfg.access_log)
+    serve(partial(create_app, cfg), cfg.host, cfg.port, workers=cfg.workers, access_log=cfg.access_log, tls=tls)
     return 0
 
 

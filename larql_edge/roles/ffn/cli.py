@@ -13,7 +13,7 @@ import sys
 from larql_edge.config import Flags, positional_list_from_env
 from larql_edge.errors import LarqlError
 from larql_edge.format.layers import LayerRange
-from larql_edge.service import add_server_flags, pin_blas, serve, setup_logging
+from larql_edge.service import add_server_flags, pin_blas, serve, setup_logging, tls_settings
 from larql_edge.service.membership import add_membership_flags, install_membership, membership_settings
 
 log = logging.getLogger("larql.ffn")
@@ -45,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--max-rows and --max-reply-bytes must be >= 1")
     try:
         layers = LayerRange.parse(args.layers) if args.layers else None
+        tls = tls_settings(args)
         grid = membership_settings(args, args.host, args.port)
     except (ValueError, LarqlError) as e:
         parser.error(str(e))
@@ -63,9 +64,10 @@ def main(argv: list[str] | None = None) -> int:
         install_membership(app, grid, "ffn", lambda: shard.describe(app.ctx.compute.inflight))
         return app
 
-    log.info("larql-ffn: %s layers %s (%d of %d) loaded in %.2fs; listening on http://%s:%d",
-             shard.model, shard.range, len(shard.range), shard.spec.num_layers, shard.load_seconds, args.host, args.port)
-    serve(factory, args.host, args.port, access_log=args.access_log)
+    log.info("larql-ffn: %s layers %s (%d of %d) loaded in %.2fs; listening on %s://%s:%d",
+             shard.model, shard.range, len(shard.range), shard.spec.num_layers, shard.load_seconds,
+             "https" if tls.serving else "http", args.host, args.port)
+    serve(factory, args.host, args.port, access_log=args.access_log, tls=tls)
     return 0
 
 
