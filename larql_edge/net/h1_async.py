@@ -86,16 +86,22 @@ class H1Pool:
     async def _open(self, host: str, port: int, scheme: str) -> _Conn:
         if scheme == "https" and self._ssl is None:
             self._ssl = client_context()
+        writer = None
         try:
-            reader, writer = await asyncio.wait_for(
-                asyncio.open_connection(host, port, ssl=self._ssl if scheme == "https" else None,
-                                        limit=MAX_HEAD),
-                self.connect_timeout,
-            )
-        except TimeoutError:
-            raise TimedOut(f"connect to {host}:{port} timed out") from None
-        except OSError as e:
-            raise ConnectFailed(f"connect to {host}:{port}: {e.strerror or e}") from None
+            reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port, limit=MAX_HEAD),
+                                                    self.connect_timeout)
+            if scheme == "https":
+                # The handshake on the open connection, not open_connection(ssl=): a refused
+                # handshake there leaves its transport for the garbage collector.
+                await asyncio.wait_for(writer.start_tls(self._ssl, server_hostname=host), self.connect_timeout)
+        except BaseException as e:
+            if writer is not None:
+                writer.close()
+            if isinstance(e, TimeoutError):
+                raise TimedOut(f"connect to {host}:{port} timed out") from None
+            if isinstance(e, OSError):
+                raise ConnectFailed(f"connect to {host}:{port}: {e.strerror or e}") from None
+            raise
         return _Conn(reader, writer)
 
     def _pooled(self, key: tuple[str, int, str]) -> _Conn | None:
