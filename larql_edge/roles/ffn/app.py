@@ -44,7 +44,7 @@ def create_app(shard: Shard, name: str = "larql_ffn") -> Sanic:
         inflight=lambda: app.ctx.compute.inflight,
         openapi=openapi_spec(),
     )
-    app = make_app(name, "ffn", hooks, max_body=shard.max_body)
+    app = make_app(name, "ffn", hooks, max_body=shard.max_body, identity=lambda: shard.vindex_hash)
     app.ctx.shard = shard
     app.blueprint(walk_bp)
     metrics = app.ctx.metrics
