@@ -33,6 +33,8 @@ sys.path.insert(0, str(REPO))
 
 import numpy as np  # noqa: E402
 
+from benchmarks._support import tree_cpu  # noqa: E402
+
 from larql_edge.net import tls  # noqa: E402
 from larql_edge.net.h1_sync import HttpClient  # noqa: E402
 from larql_edge.testing.certs import Pki  # noqa: E402
@@ -50,13 +52,17 @@ def say(text: str = "") -> None:
     lines.append(text)
 
 
-def timed(fn, n: int) -> list[float]:
+def timed(fn, n: int, pids: list[int]) -> tuple[list[float], float, float]:
+    """Latencies (us), then this process's and the servers' CPU us per request: on a shared, loaded
+    machine CPU time is the figure least disturbed by other work."""
     out = []
+    c0, s0 = time.process_time(), sum(tree_cpu(p) for p in pids)
     for _ in range(n):
         t0 = time.perf_counter()
         fn()
         out.append((time.perf_counter() - t0) * 1e6)
-    return out
+    c1, s1 = time.process_time(), sum(tree_cpu(p) for p in pids)
+    return out, (c1 - c0) * 1e6 / n, (s1 - s0) * 1e6 / n
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -104,7 +110,7 @@ def main() -> None:
             m["router"].wait_ready(120)
         body = ffn_wire.encode_request(0, np.random.default_rng(0).standard_normal((1, 640)).astype(np.float32))
         cases = ("health, shard", "walk-ffn, shard (1 hop)", "walk-ffn, router (2 hops)", "health, new connection each")
-        results: dict[tuple[str, str], list[list[float]]] = {}
+        results: dict[tuple[str, str], list[tuple[list[float], float, float]]] = {}
         for rnd in range(args.rounds):
             order = list(modes)[rnd % 3:] + list(modes)[:rnd % 3]
             for mode in order:
@@ -128,22 +134,28 @@ def main() -> None:
                     walk(r_url)
                 fns = {cases[0]: lambda: c.request("GET", s_url + "/v1/health"), cases[1]: lambda: walk(s_url),
                        cases[2]: lambda: walk(r_url), cases[3]: fresh}
+                pids = {cases[2]: [m["shard"].pid, m["router"].pid]}
                 for case, fn in fns.items():
                     n = args.requests // 4 if case == cases[3] else args.requests
-                    results.setdefault((mode, case), []).append(timed(fn, n))
+                    results.setdefault((mode, case), []).append(timed(fn, n, pids.get(case, [m["shard"].pid])))
                 c.close()
         say(f"{args.rounds} interleaved rounds x {args.requests} requests per case (a quarter for new connections); "
             "median over rounds")
         say("")
-        say(f"{'case':30} {'mode':6} {'p50 us':>8} {'p99 us':>8} {'p50 x':>6} {'+us p50':>8}")
+        say("CPU us/req: this client's, and the servers' (the shard; the router and the shard for 2 hops)")
+        say(f"{'case':30} {'mode':6} {'p50 us':>8} {'p99 us':>8} {'p50 x':>6} {'+us p50':>8} "
+            f"{'client CPU':>10} {'x':>5} {'server CPU':>10} {'x':>5}")
         for case in cases:
-            base = None
+            base: tuple[float, float, float] | None = None
             for mode in modes:
                 rounds = results[(mode, case)]
-                p50 = statistics.median(pct(r, 0.5) for r in rounds)
-                p99 = statistics.median(pct(r, 0.99) for r in rounds)
-                base = base or p50
-                say(f"{case:30} {mode:6} {p50:8.0f} {p99:8.0f} {p50 / base:6.2f} {p50 - base:+8.0f}")
+                p50 = statistics.median(pct(r[0], 0.5) for r in rounds)
+                p99 = statistics.median(pct(r[0], 0.99) for r in rounds)
+                ccpu = statistics.median(r[1] for r in rounds)
+                scpu = statistics.median(r[2] for r in rounds)
+                base = base or (p50, ccpu, scpu)
+                say(f"{case:30} {mode:6} {p50:8.0f} {p99:8.0f} {p50 / base[0]:6.2f} {p50 - base[0]:+8.0f} "
+                    f"{ccpu:10.0f} {ccpu / base[1]:5.2f} {scpu:10.0f} {scpu / base[2]:5.2f}")
             say("")
     finally:
         sup.stop_all()

@@ -84,15 +84,15 @@ def test_the_client_fails_over_from_a_damaged_replica_and_refuses_to_mix_builds(
 
     other = tmp_path / "f16.vindex"  # the same model, another build (f16): another vindex id
     extract(str(tiny_models["gemma3-hf"]), other, dtype="f16", progress=False, log=lambda m: None)
-    with inproc.shard(damaged, "0-1") as bad, inproc.shard(tiny_models["gemma3"], "0-1") as good, \
-            inproc.shard(other, "0-1") as f16:
+    with inproc.shard(damaged, "0-1") as bad, inproc.shard(tiny_models["gemma3"], "0-1") as good:
         ffn = _remote([bad.url, good.url])
         assert np.isfinite(ffn.ffn(0, X)).all()  # the damaged replica's NaN is its failure: the next one answers
-        ffn = _remote([good.url, f16.url])
-        ffn.ffn(0, X)
-        good_id = ffn.identity[0]
-        ffn.replicas._preferred.clear()
-        ffn._urls[0] = [f16.url]  # the f16 build is all that is left for layer 0
+    with inproc.shard(other, "0-1") as f16:
+        with inproc.shard(tiny_models["gemma3"], "0-1") as good:
+            ffn = _remote([good.url, f16.url])
+            ffn.ffn(0, X)
+            good_id = ffn.identity[0]
+        # the replica that answered so far is gone; what is left for layer 0 is the f16 build
         with pytest.raises(RemoteError, match="refusing to mix"):
             ffn.ffn(0, X)
         assert ffn.identity[0] == good_id

@@ -19,6 +19,7 @@ from larql_edge.net.tls import settings_from_args as tls_settings
 
 log = logging.getLogger("larql.tls")
 TLS_POLL_S = 2.0  # how often a server looks for renewed certificate files (cert-manager rewrites a mounted Secret)
+from larql_edge.service._app import DRAIN_S
 
 
 def add_server_flags(flags: Flags, port: int, workers: bool = False) -> None:
@@ -31,6 +32,8 @@ def add_server_flags(flags: Flags, port: int, workers: bool = False) -> None:
     flags.add("--blas-threads", type=int, default=1,
               help="BLAS threads per process (processes sharing a machine must not oversubscribe it)")
     flags.add("--log-level", default="info", help="debug, info, warning or error")
+    flags.add("--drain-seconds", type=float, default=DRAIN_S,
+              help="on SIGTERM, how long requests in flight have to finish before they are cut")
     flags.switch("--access-log", help="log every request")
     add_tls_flags(flags, server=True)
 
@@ -58,11 +61,12 @@ def setup_logging(level: str) -> None:
 
 
 def serve(factory: Callable[[], Sanic], host: str, port: int, workers: int = 1, access_log: bool = False,
-          tls: TlsSettings | None = None) -> None:
+          drain: float = DRAIN_S, tls: TlsSettings | None = None) -> None:
     """Run the app ``factory()`` builds. One worker is one process (what a supervisor stops by its
-    pid); more run under Sanic's worker manager, each worker building its own app. With ``tls``
-    serving, the port speaks TLS only, and the certificate is reloaded on SIGHUP or when its files
-    change."""
+    pid); more run under Sanic's worker manager, each worker building its own app. SIGTERM drains
+    for at most ``drain`` seconds (`make_app`). With ``tls`` serving, the port speaks TLS only, and
+    the certificate is reloaded on SIGHUP or when its files change."""
+    factory = partial(_with_drain, factory, drain)
     if tls is not None and tls.serving:
         if workers > 1:
             # Sanic hands each worker a copy of the context: a reload or a client CA would not reach them.
@@ -102,3 +106,9 @@ def _install_reload(app: Sanic, reloader: Reloader) -> None:
     async def _stop_tls_reload(app):
         app.ctx.tls_poll.cancel()
         asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
+
+
+def _with_drain(factory: Callable[[], Sanic], drain: float) -> Sanic:
+    app = factory()
+    app.config.GRACEFUL_SHUTDOWN_TIMEOUT = max(0.0, drain)
+    return app
