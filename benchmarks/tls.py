@@ -34,7 +34,6 @@ sys.path.insert(0, str(REPO))
 import numpy as np  # noqa: E402
 
 from benchmarks._support import tree_cpu  # noqa: E402
-
 from larql_edge.net import tls  # noqa: E402
 from larql_edge.net.h1_sync import HttpClient  # noqa: E402
 from larql_edge.testing.certs import Pki  # noqa: E402
@@ -68,6 +67,37 @@ def timed(fn, n: int, pids: list[int]) -> tuple[list[float], float, float]:
 def pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+CASES = ("health, shard", "walk-ffn, shard (1 hop)", "walk-ffn, router (2 hops)", "health, new connection each")
+
+
+def run_mode(m: dict, body: bytes, requests: int) -> dict[str, tuple[list[float], float, float]]:
+    """Every case once against one mode's shard and router, on one kept-alive client."""
+    c = HttpClient(timeout=30)
+    s_url, r_url = m["shard"].url, m["router"].url
+
+    def walk(url: str) -> None:
+        r = c.request("POST", url + "/v1/walk-ffn", content=body, headers=CT)
+        assert r.status_code == 200, r.text
+
+    def fresh() -> None:
+        once = HttpClient(timeout=30)
+        try:
+            assert once.request("GET", s_url + "/v1/health").status_code == 200
+        finally:
+            once.close()
+
+    for _ in range(20):  # warm: connections open, caches hot
+        walk(s_url)
+        walk(r_url)
+    fns = {CASES[0]: lambda: c.request("GET", s_url + "/v1/health"), CASES[1]: lambda: walk(s_url),
+           CASES[2]: lambda: walk(r_url), CASES[3]: fresh}
+    pids = {CASES[2]: [m["shard"].pid, m["router"].pid]}
+    out = {case: timed(fn, requests // 4 if case == CASES[3] else requests, pids.get(case, [m["shard"].pid]))
+           for case, fn in fns.items()}
+    c.close()
+    return out
 
 
 def main() -> None:
@@ -109,43 +139,19 @@ def main() -> None:
             m["shard"].wait_ready(600)
             m["router"].wait_ready(120)
         body = ffn_wire.encode_request(0, np.random.default_rng(0).standard_normal((1, 640)).astype(np.float32))
-        cases = ("health, shard", "walk-ffn, shard (1 hop)", "walk-ffn, router (2 hops)", "health, new connection each")
         results: dict[tuple[str, str], list[tuple[list[float], float, float]]] = {}
         for rnd in range(args.rounds):
             order = list(modes)[rnd % 3:] + list(modes)[:rnd % 3]
             for mode in order:
-                m = modes[mode]
-                c = HttpClient(timeout=30)
-                s_url, r_url = m["shard"].url, m["router"].url
-
-                def walk(url: str) -> None:
-                    r = c.request("POST", url + "/v1/walk-ffn", content=body, headers=CT)
-                    assert r.status_code == 200, r.text
-
-                def fresh() -> None:
-                    once = HttpClient(timeout=30)
-                    try:
-                        assert once.request("GET", s_url + "/v1/health").status_code == 200
-                    finally:
-                        once.close()
-
-                for _ in range(20):  # warm: connections open, caches hot
-                    walk(s_url)
-                    walk(r_url)
-                fns = {cases[0]: lambda: c.request("GET", s_url + "/v1/health"), cases[1]: lambda: walk(s_url),
-                       cases[2]: lambda: walk(r_url), cases[3]: fresh}
-                pids = {cases[2]: [m["shard"].pid, m["router"].pid]}
-                for case, fn in fns.items():
-                    n = args.requests // 4 if case == cases[3] else args.requests
-                    results.setdefault((mode, case), []).append(timed(fn, n, pids.get(case, [m["shard"].pid])))
-                c.close()
+                for case, got in run_mode(modes[mode], body, args.requests).items():
+                    results.setdefault((mode, case), []).append(got)
         say(f"{args.rounds} interleaved rounds x {args.requests} requests per case (a quarter for new connections); "
             "median over rounds")
         say("")
         say("CPU us/req: this client's, and the servers' (the shard; the router and the shard for 2 hops)")
         say(f"{'case':30} {'mode':6} {'p50 us':>8} {'p99 us':>8} {'p50 x':>6} {'+us p50':>8} "
             f"{'client CPU':>10} {'x':>5} {'server CPU':>10} {'x':>5}")
-        for case in cases:
+        for case in CASES:
             base: tuple[float, float, float] | None = None
             for mode in modes:
                 rounds = results[(mode, case)]

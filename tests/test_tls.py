@@ -232,9 +232,9 @@ def _tls_request(port: int, ctx: ssl.SSLContext) -> bytes:
 
 @pytest.fixture(scope="module")
 def tls_grid(gemma_f32, tmp_path_factory):
-    from tests._grid import Procs, wait_grid
     from larql_edge.testing.servers import console_script
     from larql_edge.tools.grid.supervisor import free_port
+    from tests._grid import Procs, wait_grid
 
     root = tmp_path_factory.mktemp("tls-grid")
     pki = Pki(root / "pki")

@@ -17,7 +17,6 @@ bounded (``MAX_HEAD`` bytes, ``MAX_HEADERS`` lines) and the body by ``max_body``
 from __future__ import annotations
 
 import asyncio
-import ssl
 from functools import lru_cache
 from urllib.parse import urlsplit
 
@@ -81,19 +80,17 @@ class H1Pool:
         self.max_idle = max_idle
         self.max_body = max_body
         self._idle: dict[tuple[str, int, str], list[_Conn]] = {}
-        self._ssl: ssl.SSLContext | None = None
 
     async def _open(self, host: str, port: int, scheme: str) -> _Conn:
-        if scheme == "https" and self._ssl is None:
-            self._ssl = client_context()
+        tls = client_context() if scheme == "https" else None
         writer = None
         try:
             reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port, limit=MAX_HEAD),
                                                     self.connect_timeout)
-            if scheme == "https":
+            if tls is not None:
                 # The handshake on the open connection, not open_connection(ssl=): a refused
                 # handshake there leaves its transport for the garbage collector.
-                await asyncio.wait_for(writer.start_tls(self._ssl, server_hostname=host), self.connect_timeout)
+                await asyncio.wait_for(writer.start_tls(tls, server_hostname=host), self.connect_timeout)
         except BaseException as e:
             if writer is not None:
                 writer.close()

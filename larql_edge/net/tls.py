@@ -165,7 +165,7 @@ class Reloader:
         self._seen = self._stamp()
 
     def _stamp(self) -> tuple:
-        out = []
+        out: list[tuple[int, int, int] | None] = []
         for p in (self.cert, self.key):
             try:
                 st = os.stat(p)

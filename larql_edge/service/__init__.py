@@ -11,13 +11,15 @@ Public surface:
 - `add_server_flags`, `pin_blas`, `setup_logging`, `serve`, `tls_settings`: what every server's `main` does.
 """
 
+from larql_edge.net.tls import settings_from_args as tls_settings
+
 from ._app import make_app
 from ._bodies import BINARY_KIND, JSON_KIND, body_kind, content_type, json_body, json_object, parse_json, read_body
 from ._compute import Compute
 from ._envelope import error_response, install_error_envelope
 from ._ops import Hooks
 from .metrics import Metrics
-from .serving import add_server_flags, pin_blas, serve, setup_logging, tls_settings
+from .serving import add_server_flags, pin_blas, serve, setup_logging
 
 __all__ = [
     "BINARY_KIND", "JSON_KIND", "Compute", "Hooks", "Metrics", "add_server_flags", "body_kind", "content_type",

@@ -15,11 +15,10 @@ from sanic import Sanic
 from larql_edge.config import Flags, export_blas_threads
 from larql_edge.errors import SetupError
 from larql_edge.net.tls import Reloader, TlsSettings, add_tls_flags, client_context, server_context
-from larql_edge.net.tls import settings_from_args as tls_settings
+from larql_edge.service._app import DRAIN_S
 
 log = logging.getLogger("larql.tls")
 TLS_POLL_S = 2.0  # how often a server looks for renewed certificate files (cert-manager rewrites a mounted Secret)
-from larql_edge.service._app import DRAIN_S
 
 
 def add_server_flags(flags: Flags, port: int, workers: bool = False) -> None:

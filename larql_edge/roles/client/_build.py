@@ -16,9 +16,9 @@ from larql_edge.config import Flags
 from larql_edge.errors import VindexError
 from larql_edge.format.vindex import Vindex
 from larql_edge.model.forward import Transformer
-from larql_edge.net.tls import add_tls_flags, settings_from_args
 from larql_edge.net.hops import HopLog
 from larql_edge.net.remote import RemoteSettings, add_path_flags, build_tiers
+from larql_edge.net.tls import add_tls_flags, settings_from_args
 
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
