@@ -96,3 +96,23 @@ def test_the_client_fails_over_from_a_damaged_replica_and_refuses_to_mix_builds(
         with pytest.raises(RemoteError, match="refusing to mix"):
             ffn.ffn(0, X)
         assert ffn.identity[0] == good_id
+
+
+def test_the_embed_server_never_serves_a_damaged_row_as_immutable(tiny_models, tmp_path):
+    """Issue 19 (Medium): a corrupted embedding row went out as NaN under the good file's content-addressed
+    URL with a one-year immutable header."""
+    vx = tmp_path / "gemma3.vindex"
+    shutil.copytree(tiny_models["gemma3"], vx)
+    with open(vx / "embeddings.bin", "r+b") as f:
+        f.write(np.full(16, np.nan, np.float32).tobytes())  # row 0
+    with inproc.embed({"gemma3": vx}) as e:
+        inproc.wait_ready(e)
+        bad = httpx.get(e.url + "/v1/embed/0")
+        assert bad.status_code == 503 and "non-finite" in bad.json()["error"]
+        assert "immutable" not in bad.headers.get("cache-control", "") and "etag" not in bad.headers
+        good = httpx.get(e.url + "/v1/embed/1")
+        assert good.status_code == 200 and "immutable" in good.headers["cache-control"]
+        assert good.headers[VINDEX_HEADER]
+        r = httpx.post(e.url + "/v1/embed", json={"token_ids": [1, 0]})
+        assert r.status_code == 503, r.text
+        assert httpx.post(e.url + "/v1/embed", json={"token_ids": [1, 2]}).status_code == 200
