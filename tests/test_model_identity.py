@@ -116,3 +116,25 @@ def test_the_embed_server_never_serves_a_damaged_row_as_immutable(tiny_models, t
         r = httpx.post(e.url + "/v1/embed", json={"token_ids": [1, 0]})
         assert r.status_code == 503, r.text
         assert httpx.post(e.url + "/v1/embed", json={"token_ids": [1, 2]}).status_code == 200
+
+
+def test_verify_weights_refuses_a_damaged_vindex_at_start_and_reports_the_time(tiny_models, damaged, capsys):
+    from larql_edge.errors import ChecksumMismatch
+    from larql_edge.roles.ffn.cli import main as ffn_main
+    from larql_edge.roles.ffn.shard import Shard
+
+    with pytest.raises(ChecksumMismatch, match="down_weights.bin: corrupt"):
+        Shard(damaged, LayerRange(0, 0), verify="on")
+    assert ffn_main([str(damaged), "--layers", "0-0", "--verify-weights", "auto"]) != 0  # tiny: auto verifies
+    err = capsys.readouterr().err
+    assert "down_weights.bin: corrupt" in err and "Traceback" not in err
+    assert Shard(damaged, LayerRange(0, 0), verify="off").weights.verified is False
+    good = Shard(tiny_models["gemma3"], LayerRange(0, 0), verify="auto")
+    assert good.weights.verified and good.weights.seconds is not None and good.weights.bytes > 0
+    with inproc.embed({"gemma3": tiny_models["gemma3"]}) as e:  # in-process (no CLI): nothing was checked
+        inproc.wait_ready(e)
+        assert httpx.get(e.url + "/v1/stats").json()["weights_verified"]["verified"] is False
+    from larql_edge.roles.embed.cli import main as embed_main
+
+    assert embed_main([str(damaged), "--verify-weights", "on"]) != 0
+    assert "down_weights.bin: corrupt" in capsys.readouterr().err

@@ -14,6 +14,7 @@ from larql_edge.config import Flags, positional_list_from_env
 from larql_edge.errors import LarqlError
 from larql_edge.format.layers import LayerRange
 from larql_edge.service import add_server_flags, pin_blas, serve, setup_logging, tls_settings
+from larql_edge.service.identity import add_verify_flag
 from larql_edge.service.membership import add_membership_flags, install_membership, membership_settings
 
 log = logging.getLogger("larql.ffn")
@@ -30,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     f.add("--max-rows", type=int, default=d.max_rows, help="most positions per request (413 above)")
     f.add("--max-reply-bytes", type=int, default=d.max_reply_bytes, help="largest reply a request may ask for (413 above)")
     add_server_flags(f, port=8080)
+    add_verify_flag(f)
     add_membership_flags(f)
     return p
 
@@ -54,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     from larql_edge.roles.ffn.shard import Limits, Shard
 
     try:
-        shard = Shard(paths[0], layers, limits=Limits(max_rows=args.max_rows, max_reply_bytes=args.max_reply_bytes))
+        shard = Shard(paths[0], layers, limits=Limits(max_rows=args.max_rows, max_reply_bytes=args.max_reply_bytes),
+                      verify=args.verify_weights)
     except LarqlError as e:
         print(f"larql-ffn: error: {e}", file=sys.stderr)
         return e.exit_code
