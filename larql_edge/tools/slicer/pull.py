@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
+from larql_edge.wire.grid import check_url
 from larql_edge.console import human
 from larql_edge.errors import HubError, VindexError
 from larql_edge.format.presets import DEFAULT_SLICES, canonical_preset
@@ -404,6 +405,7 @@ def pull(
     template: str = "{repo}-{preset}",
     endpoint: str | None = None,
     token: str | None = None,
+    mirror: str | None = None,
     hints: bool = True,
     cache_dir: str | Path | None = None,
     log: Callable[[str], None] = print,
@@ -413,7 +415,9 @@ def pull(
     reported in its result instead); KeyboardInterrupt stops the downloads within `STOP_GRACE`."""
     if sum(bool(x) for x in (preset, all_slices, collection)) > 1:
         raise HubError("choose one of --preset, --all-slices and --collection")
-    hub = Hub(endpoint=endpoint, token=token, repo_type=repo_type)
+    if mirror:
+        mirror = check_url(mirror, "--mirror")
+    hub = Hub(endpoint=endpoint, token=token, repo_type=repo_type, mirror=mirror)
     targets = resolve_targets(hub, repo, preset, all_slices, collection, template)
     report = PullReport()
     out = Path(output) if output else None
