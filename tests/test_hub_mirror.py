@@ -30,7 +30,7 @@ def render(port: int, hub_url: str) -> str:
                      ("set $larql_hub_host huggingface.co;", f"set $larql_hub_host {hostport};")):
         line = re.compile(rf"^(\s+){re.escape(old)}$", re.M)  # the directive, not the header's mention of it
         assert len(line.findall(text)) == 1, old
-        text = line.sub(lambda m: m.group(1) + new, text)
+        text = line.sub(rf"\g<1>{new}", text)
     return text
 
 

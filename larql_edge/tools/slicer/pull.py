@@ -31,7 +31,6 @@ from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
-from larql_edge.wire.grid import check_url
 from larql_edge.console import human
 from larql_edge.errors import HubError, VindexError
 from larql_edge.format.presets import DEFAULT_SLICES, canonical_preset
@@ -49,6 +48,7 @@ from larql_edge.tools.slicer.hub import (
     validate_repo_id,
 )
 from larql_edge.tools.slicer.publish import slice_repo_name
+from larql_edge.wire.grid import check_url
 
 WORKERS = 8  # parallel downloads, as huggingface_hub's snapshot_download
 STOP_GRACE = 0.5  # seconds the main thread waits, after Ctrl-C, for the downloads to stop
