@@ -29,6 +29,7 @@ from larql_edge.net.failures import is_caller_mistake, is_success
 from larql_edge.net.h1 import ConnectFailed, Reply, TransportError, describe, error_text
 from larql_edge.net.h1_sync import HttpClient
 from larql_edge.net.hops import Hedger, Hop, HopLog, server_seconds
+from larql_edge.wire import VINDEX_HEADER
 from larql_edge.wire import embed as embed_wire
 from larql_edge.wire import ffn as ffn_wire
 from larql_edge.wire.grid import Target, parse_targets
@@ -262,6 +263,7 @@ class RemoteFfn:
                         "accept": ffn_wire.CONTENT_TYPE_F16 if f16 else ffn_wire.CONTENT_TYPE}
         self.seconds = 0.0  # time spent in FFN round trips (benchmarks read it)
         self.calls = 0
+        self.identity: dict[int, str] = {}  # layer -> the vindex that first answered it (X-Larql-Vindex)
 
     def missing_layers(self) -> list[int]:
         return [layer for layer, urls in self._urls.items() if not urls]
@@ -277,6 +279,14 @@ class RemoteFfn:
             got, out, _ = ffn_wire.decode_response(r.content, self.hidden, f16=f16)
             if got != layer or out.shape != x2.shape:
                 raise RemoteError(f"the reply is for layer {got} with shape {list(out.shape)}")
+            if not np.isfinite(out).all():  # damaged weights: that replica's failure, the next one is tried
+                raise RemoteError(f"non-finite values in the layer {layer} reply")
+            ident = r.headers.get(VINDEX_HEADER)
+            if ident:  # one model: every token's layer answered by the same build (replicas of another are refused)
+                first = self.identity.setdefault(layer, ident)
+                if ident != first:
+                    raise RemoteError(f"layer {layer} answered from vindex {ident}, earlier from {first}: "
+                                      "refusing to mix two builds of the model")
             return out
 
         body = ffn_wire.encode_request(layer, x)

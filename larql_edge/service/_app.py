@@ -10,10 +10,12 @@ blueprints and fills in its `Hooks`.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from sanic import Sanic
 
 from larql_edge.net.hops import SERVER_TIMING, server_timing_value
+from larql_edge.wire import VINDEX_HEADER
 
 from ._compute import Compute
 from ._envelope import ErrorBody, install_error_envelope
@@ -30,7 +32,10 @@ DRAIN_S = 10.0
 
 
 def make_app(name: str, role: str, hooks: Hooks, *, max_body: int, access_log: bool = False,
-             compute_threads: int = 1, metrics: Metrics | None = None, error_body: ErrorBody | None = None) -> Sanic:
+             compute_threads: int = 1, metrics: Metrics | None = None, error_body: ErrorBody | None = None,
+             identity: Callable[[], str | None] | None = None) -> Sanic:
+    """``identity()``: the id of the vindex this server answers from, sent on every reply
+    (``X-Larql-Vindex``), so a client can refuse to mix two builds of a model in one answer."""
     app = Sanic(name)
     app.config.REQUEST_MAX_SIZE = max_body
     app.config.KEEP_ALIVE_TIMEOUT = KEEP_ALIVE_S
@@ -45,6 +50,12 @@ def make_app(name: str, role: str, hooks: Hooks, *, max_body: int, access_log: b
     install_error_envelope(app, error_body)
     metrics.install(app)
     app.blueprint(ops_bp)
+    if identity is not None:
+        @app.on_response
+        async def _identity(request, response):
+            ident = identity()
+            if ident:
+                response.headers[VINDEX_HEADER] = ident
 
     # SIGTERM (or SIGINT) drains, first of every stop listener: readiness goes false at once, the
     # routers are left, the role finishes what it holds (`Hooks.drain`), and every reply from now on

@@ -34,6 +34,7 @@ from sanic.response import HTTPResponse, json
 
 from larql_edge.config import Flags
 from larql_edge.errors import ProtocolError, Unauthorized
+from larql_edge.net.tls import client_context
 from larql_edge.service.identity import rss_bytes
 from larql_edge.wire.grid import HEARTBEAT, JOIN, LEAVE, check_url
 
@@ -58,11 +59,11 @@ def add_membership_flags(flags: Flags) -> None:
               help="URL the routers and clients reach this server at (default: http://HOST:PORT)")
 
 
-def default_public_url(host: str, port: int) -> str:
+def default_public_url(host: str, port: int, tls: bool = False) -> str:
     h = host if host not in ("", "0.0.0.0", "::") else "127.0.0.1"
     if ":" in h and not h.startswith("["):
         h = f"[{h}]"
-    return f"http://{h}:{port}"
+    return f"{'https' if tls else 'http'}://{h}:{port}"
 
 
 @dataclass(frozen=True, repr=False)
@@ -89,8 +90,14 @@ def membership_settings(args: Any, host: str, port: int) -> GridSettings | None:
     routers = tuple(check_url(u.strip(), "--join") for u in join.split(",") if u.strip())
     if not routers:
         raise ProtocolError("--join names no router URL")
-    public = check_url(getattr(args, "public_url", None) or default_public_url(host, port), "--public-url")
+    tls = bool(getattr(args, "tls_cert", None))
+    public = check_url(getattr(args, "public_url", None) or default_public_url(host, port, tls), "--public-url")
     return GridSettings(routers=routers, grid_key=key, public_url=public)
+
+
+# An address-URL `expand_router_urls` made -> the name it came from: over https the router's
+# certificate is checked against that name (and sent as SNI), not against the address.
+SERVER_NAMES: dict[str, str] = {}
 
 
 def expand_router_urls(urls: tuple[str, ...]) -> list[str]:
@@ -114,6 +121,7 @@ def expand_router_urls(urls: tuple[str, ...]) -> list[str]:
         for a in addrs:
             netloc = f"[{a}]:{port}" if ":" in a else f"{a}:{port}"
             out.append(urlunsplit((u.scheme, netloc, u.path, "", "")))
+            SERVER_NAMES[out[-1].rstrip("/")] = host
     return list(dict.fromkeys(out))
 
 
@@ -149,9 +157,14 @@ class RouterLink:
             out["member_token"] = self.member_token
         return out
 
+    @property
+    def _extensions(self) -> dict:
+        name = SERVER_NAMES.get(self.router)
+        return {"sni_hostname": name} if name and self.router.startswith("https:") else {}
+
     async def _post(self, path: str, body: dict) -> httpx.Response:
         assert self._client is not None
-        return await self._client.post(self.router + path, json=body, headers=self._auth)
+        return await self._client.post(self.router + path, json=body, headers=self._auth, extensions=self._extensions)
 
     async def join(self) -> bool:
         r = await self._post(JOIN, self._body())
@@ -189,7 +202,7 @@ class RouterLink:
             log.warning("heartbeat refused: %s %s", r.status_code, _error_text(r))
 
     async def run(self) -> None:
-        self._client = httpx.AsyncClient(timeout=self.timeout)
+        self._client = httpx.AsyncClient(timeout=self.timeout, verify=client_context())
         delay = RETRY_FIRST_S
         try:
             while not self._stop.is_set():
@@ -224,7 +237,8 @@ class RouterLink:
         if self.member_id is None or self._client is None:
             return
         try:
-            await self._client.post(self.router + LEAVE, json=self._credentials(), headers=self._auth, timeout=1.0)
+            await self._client.post(self.router + LEAVE, json=self._credentials(), headers=self._auth, timeout=1.0,
+                                    extensions=self._extensions)
         except httpx.HTTPError:
             pass  # eviction covers a router we cannot reach
         self.member_id = self.member_token = None

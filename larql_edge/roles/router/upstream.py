@@ -16,11 +16,13 @@ from larql_edge.net.failures import is_member_failure
 from larql_edge.net.h1 import Reply, TransportError, describe, error_text
 from larql_edge.net.h1_async import H1Pool
 from larql_edge.roles.router.registry import Member, Registry
+from larql_edge.wire import VINDEX_HEADER
 
 log = logging.getLogger("larql.router")
 
 FORWARD_REQUEST_HEADERS = ("content-type", "accept", "if-none-match", "accept-encoding")
-FORWARD_REPLY_HEADERS = ("content-type", "etag", "cache-control", "vary", "last-modified", "content-encoding")
+FORWARD_REPLY_HEADERS = ("content-type", "etag", "cache-control", "vary", "last-modified", "content-encoding",
+                         VINDEX_HEADER)
 
 
 class MemberFailed(Exception):
