@@ -269,3 +269,28 @@ def test_serve_takes_the_direct_path_and_exports_the_time_split(grid):
     shard_urls = {x.url for xs in grid["shards"].values() for x in xs}
     assert engine.ffn.path.topology is not None and {t.url for t in engine.ffn.path.topology.shards} == shard_urls
     # Exactness through serve on this path: test_serve.py (its grid is a router, so the direct path is in use).
+
+
+def test_several_routers_and_none_at_all_keep_the_direct_path_going(tiny_models):
+    """Members join two routers; the client lists both. Stopping the first, then the second, mid-
+    generation: the topology comes from the one left, and with none left the client keeps the last
+    topology it had (the data path never needed a router): the output is unchanged."""
+    v = tiny_models["gemma3"]
+    local = list(Transformer.local(v).generate(IDS, 12, stop_ids=[]))
+    with inproc.router() as r1, inproc.router() as r2, inproc.embed({"m": v}, join=[r1.url, r2.url]) as e, \
+            inproc.shard(v, "0-0", join=[r1.url, r2.url]), inproc.shard(v, "1-1", join=[r1.url, r2.url]):
+        inproc.wait_ready(e)
+        for r in (r1, r2):
+            wait_grid(r.url, embed=1, members=3)
+        hops = HopLog()
+        remote = build_remote(Vindex.open(v), remote_args(ffn=f"{r1.url},{r2.url}", hedge=False, retries=2), hops)
+        out = []
+        for i, tok in enumerate(remote.generate(IDS, 12, stop_ids=[])):
+            out.append(tok)
+            if i == 3:
+                r1.stop()
+            if i == 7:
+                r2.stop()
+        assert out == local
+        seen = {h.url for h in hops.drain() if h.tier != "topology"}
+        assert r1.url not in seen and r2.url not in seen
