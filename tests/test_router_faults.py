@@ -12,6 +12,7 @@ import pytest
 from larql_edge.errors import RemoteError
 from larql_edge.format.vindex import Vindex
 from larql_edge.model.forward import Transformer
+from larql_edge.net.hops import HopLog
 from larql_edge.roles.client._build import build_remote
 from larql_edge.wire import ffn as w
 from tests._grid import Procs, free_port, remote_args, start_grid, wait_grid
@@ -27,18 +28,24 @@ def _busiest(router_url: str, shards) -> object:
     return max(shards, key=lambda s: members.get(s.url, {}).get("requests", 0))
 
 
-def test_killing_one_of_two_replicas_mid_generation(tiny_models):
+@pytest.mark.parametrize("direct", [False, True], ids=["via-router", "direct"])
+def test_killing_one_of_two_replicas_mid_generation(tiny_models, direct):
     v = tiny_models["gemma3"]
     want = list(Transformer.local(v).generate(IDS, 12, stop_ids=[]))
     with Procs() as procs:
         g = start_grid(procs, v, ["0-0", "1-1"], replicas=2)
-        remote = build_remote(Vindex.open(v), remote_args(ffn=g["router"].url))
+        hops = HopLog()
+        remote = build_remote(Vindex.open(v), remote_args(ffn=g["router"].url, direct=direct), hops)
         out = []
         victim = None
         for i, tok in enumerate(remote.generate(IDS, 12, stop_ids=[])):
             out.append(tok)
             if i == 4:
-                victim = _busiest(g["router"].url, g["shards"]["0-0"])
+                if direct:  # the replica the client has been sending layer 0 to
+                    used = [h.url for h in hops.drain() if h.layer == 0]
+                    victim = max(g["shards"]["0-0"], key=lambda s: used.count(s.url))
+                else:
+                    victim = _busiest(g["router"].url, g["shards"]["0-0"])
                 victim.kill()
         assert out == want
         assert not victim.running()
