@@ -67,18 +67,22 @@ class Event:
     tokens: list[TokenInfo] = field(default_factory=list)
     finish_reason: str | None = None
     error: BaseException | None = None
+    index: int = 0  # which of a request's n sequences
 
 
 class Seq:
     _next = 0
 
-    def __init__(self, prompt_ids: Sequence[int], params: Params, loop: asyncio.AbstractEventLoop):
+    def __init__(self, prompt_ids: Sequence[int], params: Params, loop: asyncio.AbstractEventLoop,
+                 events: asyncio.Queue[Event] | None = None, index: int = 0):
+        """``events``: a request's n sequences post to one queue, each event carrying its ``index``."""
         Seq._next += 1
         self.id = Seq._next
+        self.index = index
         self.prompt = list(prompt_ids)
         self.params = params
         self.loop = loop
-        self.events: asyncio.Queue[Event] = asyncio.Queue()
+        self.events: asyncio.Queue[Event] = asyncio.Queue() if events is None else events
         self.cache: SeqCache | None = None
         self.fed = 0  # prompt tokens already in the cache
         self.generated: list[int] = []
@@ -92,6 +96,7 @@ class Seq:
         self.t_last: float | None = None
 
     def post(self, ev: Event) -> None:
+        ev.index = self.index
         try:
             self.loop.call_soon_threadsafe(self.events.put_nowait, ev)
         except RuntimeError:  # the loop closed (server stopping): nobody is listening
