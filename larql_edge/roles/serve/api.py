@@ -27,6 +27,10 @@ MAX_STOP = 4  # OpenAI's limit on stop sequences
 MAX_LOGPROBS_COMPLETIONS = 5
 MAX_TOP_LOGPROBS_CHAT = 20
 MAX_TOKENS_LIMIT = 1 << 30
+MAX_N = 8  # choices per request (and never more than --max-active: the n are stepped together)
+MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries
+MAX_TOP_K = 1024  # candidates the head returns for one row at most
+MAX_PROMPTS = 16  # prompts in one completions request (times n: choices)
 
 # Accepted and without effect here: bookkeeping for OpenAI's platform (user, metadata, store...), and
 # prompt-cache hints (larql-serve's prefix cache needs none).
@@ -51,8 +55,8 @@ def openai_error_body(status: int, message: str, exc: BaseException) -> dict:
         kind, code = "rate_limit_error", "rate_limit_exceeded"
     elif status >= 500:
         kind, code = "server_error", None
-    elif status == 401:
-        kind, code = "authentication_error", "invalid_api_key"
+    elif status == 401:  # OpenAI's own 401: an invalid_request_error with code invalid_api_key
+        kind, code = "invalid_request_error", "invalid_api_key"
     else:
         kind, code = "invalid_request_error", None
         if status == 404:
@@ -80,7 +84,10 @@ Refused = Annotated[None, BeforeValidator(_refuse),
 
 MaxTokens = Annotated[int, Field(ge=1, le=MAX_TOKENS_LIMIT), BeforeValidator(_integer)]
 Seed = Annotated[int, Field(ge=-(2**63), le=2**64 - 1), BeforeValidator(_integer)]
-One = Annotated[int, Field(ge=1, le=1), BeforeValidator(_integer)]
+N = Annotated[int, Field(ge=1, le=MAX_N), BeforeValidator(_integer)]
+TopK = Annotated[int, Field(ge=-1, le=MAX_TOP_K), BeforeValidator(_integer)]
+Penalty = Annotated[float, Field(ge=-2, le=2, allow_inf_nan=False)]
+RepetitionPenalty = Annotated[float, Field(gt=0, le=10, allow_inf_nan=False)]
 CompletionLogprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS_COMPLETIONS), BeforeValidator(_integer)]
 TopLogprobs = Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS_CHAT), BeforeValidator(_integer)]
 Temperature = Annotated[float, Field(ge=0, le=2, allow_inf_nan=False)]
@@ -102,28 +109,67 @@ def _stop(v: Any) -> tuple[str, ...]:
     return tuple(stops)
 
 
+def _logit_bias(v: Any) -> dict[int, float]:
+    if v is None:
+        return {}
+    if not isinstance(v, dict):
+        raise PydanticCustomError("invalid_type", "logit_bias must be an object of token id: bias")
+    if len(v) > MAX_LOGIT_BIAS:
+        raise PydanticCustomError("invalid_value", f"logit_bias: at most {MAX_LOGIT_BIAS} entries")
+    out = {}
+    for key, bias in v.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit()) or len(key) > 9:
+            raise PydanticCustomError("invalid_value", f"logit_bias: the key {key[:20]!r} is not a token id")
+        if type(bias) not in (int, float) or not -100 <= bias <= 100:
+            raise PydanticCustomError("invalid_value", "logit_bias: every bias is a number in [-100, 100]")
+        out[int(key)] = float(bias)
+    return out
+
+
+LogitBias = Annotated[dict[int, float], BeforeValidator(_logit_bias), WithJsonSchema(
+    {"anyOf": [{"type": "object", "maxProperties": MAX_LOGIT_BIAS, "propertyNames": {"pattern": "^[0-9]{1,9}$"},
+                "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}}, {"type": "null"}],
+     "description": "Token id (as a string) to a bias added to its log-probability; -100 bans it (it never "
+                    "appears). Acts on the head's candidates (64, or top_k): a positive bias raises a token "
+                    "only among them"})]
+
 _STOP_ITEM = {"type": "string", "minLength": 1}
 Stop = Annotated[tuple[str, ...], BeforeValidator(_stop), WithJsonSchema(
     {"anyOf": [_STOP_ITEM, {"type": "array", "items": _STOP_ITEM, "maxItems": MAX_STOP}, {"type": "null"}],
      "description": f"Up to {MAX_STOP} strings: the text ends before the first of them"})]
 
 
-def _prompt(v: Any) -> str | list[int]:
-    if isinstance(v, list) and len(v) == 1 and isinstance(v[0], (str, list)):
-        v = v[0]
+def _one_prompt(v: Any) -> str | list[int] | None:
     if isinstance(v, str):
         if not v:
             raise PydanticCustomError("invalid_value", "prompt is empty")
         return v
     if isinstance(v, list) and v and all(json_int(t) is not None for t in v):
         return [int(t) for t in v]
-    raise PydanticCustomError("invalid_type", "prompt must be a string, a list of one string, or a list of token ids")
+    return None
 
 
-Prompt = Annotated[str | list[int], BeforeValidator(_prompt), WithJsonSchema(
-    {"anyOf": [{"type": "string", "minLength": 1},
-               {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "maxItems": 1},
-               {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}]})]
+def _prompts(v: Any) -> list[str | list[int]]:
+    """A string, token ids, or a list of either (a batch: one choice, or n, per prompt)."""
+    one = _one_prompt(v)
+    if one is not None:
+        return [one]
+    if isinstance(v, list) and v and all(isinstance(p, (str, list)) for p in v):
+        if len(v) > MAX_PROMPTS:
+            raise PydanticCustomError("invalid_value", f"prompt: at most {MAX_PROMPTS} prompts in one request")
+        out = [_one_prompt(p) for p in v]
+        if all(p is not None for p in out):
+            return out  # type: ignore[return-value]
+    raise PydanticCustomError("invalid_type", "prompt must be a string, token ids, or a list of strings or of "
+                              "token-id lists")
+
+
+_TEXT = {"type": "string", "minLength": 1}
+_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+Prompts = Annotated[list[str | list[int]], BeforeValidator(_prompts), WithJsonSchema(
+    {"anyOf": [_TEXT, _IDS, {"type": "array", "items": _TEXT, "minItems": 1, "maxItems": MAX_PROMPTS},
+               {"type": "array", "items": _IDS, "minItems": 1, "maxItems": MAX_PROMPTS}],
+     "description": f"A string, token ids, or up to {MAX_PROMPTS} of either (choices: n per prompt, in order)"})]
 
 
 def _content(v: Any) -> str:
@@ -183,23 +229,28 @@ class _Common(_Strict):
     top_p: Probability | None = None
     seed: Seed | None = None
     stop: Stop = ()
-    n: One | None = None
+    n: N | None = Field(None, description=f"Choices, at most {MAX_N} (and at most max_active): one prefill for all")
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    presence_penalty: Refused = None
-    frequency_penalty: Refused = None
-    logit_bias: Refused = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    logit_bias: LogitBias = Field(default_factory=dict)
+    # The common extras of vLLM and llama.cpp, in the body.
+    top_k: TopK | None = Field(None, description=f"Draw among the k most likely (0 or -1: off; at most {MAX_TOP_K})")
+    min_p: Probability | None = Field(None, description="Drop candidates below min_p x the best one's probability")
+    repetition_penalty: RepetitionPenalty | None = Field(
+        None, description="Divides the probability of every token seen in the prompt or output (1: off)")
     user: str | None = ignored("OpenAI's end-user id")
 
 
 class CompletionRequest(_Common):
-    prompt: Prompt
+    prompt: Prompts
     max_tokens: MaxTokens | None = Field(
         None, description="At most this many tokens (never beyond the context); default 16, as OpenAI")
     logprobs: CompletionLogprobs | None = None
     echo: bool | None = None
     suffix: Refused = None
-    best_of: One | None = Field(None, description="Only 1 (the n completions are n draws)")
+    best_of: N | None = Field(None, description="Only n (no server-side ranking): the n completions are n draws")
 
 
 class ChatCompletionRequest(_Common):
@@ -256,7 +307,7 @@ def _as_api_error(e: ValidationError) -> LarqlError:
     return bad(f"{param}: {err['msg']}" if param else err["msg"], param, code)
 
 
-def parse(cls: type[_Common], body: dict, model_id: str, names: frozenset[str] = frozenset()) -> Any:
+def parse(cls: Any, body: dict, model_id: str, names: frozenset[str] = frozenset()) -> Any:
     try:
         req = cls.model_validate(body)
     except ValidationError as e:
@@ -279,7 +330,8 @@ def request_schemas() -> dict[str, dict]:
     """The request bodies' JSON Schemas (OpenAPI 3.1's dialect), with their sub-models, by name."""
     from pydantic.json_schema import models_json_schema
 
-    _, top = models_json_schema([(CompletionRequest, "validation"), (ChatCompletionRequest, "validation")],
+    _, top = models_json_schema([(m, "validation") for m in (CompletionRequest, ChatCompletionRequest,
+                                                             TokenizeRequest, DetokenizeRequest)],
                                 ref_template="#/components/schemas/{model}")
     return _untitled(top["$defs"])
 
@@ -291,3 +343,42 @@ def _untitled(schema: Any) -> Any:
     if isinstance(schema, list):
         return [_untitled(v) for v in schema]
     return schema
+
+
+# -- /tokenize and /detokenize: llama.cpp's and vLLM's bodies -----------------------------------------
+MAX_TOKENIZE_IDS = 1 << 20
+
+TokenId = Annotated[int, Field(ge=0), BeforeValidator(_integer)]
+
+
+class TokenizeRequest(_Strict):
+    """llama.cpp's ``{"content", "add_special", "with_pieces"}`` or vLLM's ``{"prompt" | "messages",
+    "add_special_tokens", "add_generation_prompt"}``: exactly one of content, prompt, messages."""
+    model: str | None = None
+    content: str | None = None
+    prompt: str | None = None
+    messages: list[Message] | None = Field(None, min_length=1)
+    add_special: bool | None = Field(None, description="llama.cpp's name (default false)")
+    add_special_tokens: bool | None = Field(None, description="vLLM's name (default true)")
+    with_pieces: bool | None = Field(None, description="tokens as {id, piece} objects (llama.cpp)")
+    add_generation_prompt: bool | None = Field(None, description="with messages: the template's assistant turn "
+                                                                 "(default true)")
+    return_token_strs: bool | None = Field(None, description="token_strs beside the ids (vLLM)")
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[TokenId] = Field(max_length=MAX_TOKENIZE_IDS)
+
+
+def tokenize_request(body: dict, model_id: str, names: frozenset[str] = frozenset()) -> TokenizeRequest:
+    req = parse(TokenizeRequest, body, model_id, names)
+    given = [k for k in ("content", "prompt", "messages") if getattr(req, k) is not None]
+    if len(given) != 1:
+        raise bad("give exactly one of content (llama.cpp), prompt or messages (vLLM)", (given or ["content"])[-1],
+                  "missing_required_parameter" if not given else "invalid_value")
+    return req
+
+
+def detokenize_request(body: dict, model_id: str, names: frozenset[str] = frozenset()) -> DetokenizeRequest:
+    return parse(DetokenizeRequest, body, model_id, names)

@@ -16,6 +16,7 @@ from larql_edge.wire import JSON
 from larql_edge.wire.openapi import document, main, ops_paths, ref
 
 from .api import request_schemas
+from .auth import OPEN_PATHS
 
 OPENAI_ERROR = {
     "type": "object",
@@ -52,6 +53,15 @@ def _op(op_id: str, summary: str, request: str, reply: str) -> dict:
     }}
 
 
+def _simple(op_id: str, summary: str, request: str, reply: str) -> dict:
+    return {"post": {
+        "summary": summary, "operationId": op_id, "tags": ["openai"],
+        "requestBody": {"required": True, "content": {JSON: {"schema": ref(request)}}},
+        "responses": {"200": {"description": "Done", "content": {JSON: {"schema": ref(reply)}}},
+                      "400": _err("A bad parameter (param names it)"), "404": _err("Unknown model"),
+                      "413": _err("A body over max_body_bytes"), "415": _err("Not application/json")}}}
+
+
 def _bounded(schemas: dict, stats: dict) -> None:
     """What depends on the deployment, as constraints: token ids below the vocabulary, fewer ids than
     the context. Text is not bounded: its length in tokens is the tokenizer's (and, for messages, the
@@ -75,7 +85,22 @@ def openapi_spec(stats: dict | None = None) -> dict:
                                "responses": {"200": {"description": "One model",
                                                      "content": {JSON: {"schema": ref("Models")}}}}}},
     }
+    paths["/v1/models/{model_id}"] = {"get": {
+        "summary": "One model: its context length (max_model_len) and the grid it runs on", "operationId": "model",
+        "tags": ["openai"], "parameters": [{"name": "model_id", "in": "path", "required": True,
+                                            "schema": {"type": "string"}}],
+        "responses": {"200": {"description": "The model", "content": {JSON: {"schema": ref("Model")}}},
+                      "401": _err("No API key, or a wrong one (with --api-key)"), "404": _err("Unknown model")}}}
+    paths["/tokenize"] = _simple("tokenize", "Text, or chat messages through the template, to token ids "
+                                 "(llama.cpp's and vLLM's bodies)", "TokenizeRequest", "Tokenized")
+    paths["/detokenize"] = _simple("detokenize", "Token ids to text (content: llama.cpp's key; prompt: vLLM's)",
+                                   "DetokenizeRequest", "Detokenized")
     paths.update(ops_paths("serve", ref("Ready"), ref("Stats"), "Loading"))
+    for path, ops in paths.items():  # with --api-key, every route but these needs the key
+        if path not in OPEN_PATHS:
+            for op in ops.values():
+                op["security"] = [{"apiKey": []}]
+                op["responses"].setdefault("401", _err("No API key, or a wrong one (with --api-key)"))
     schemas = {
         "OpenAIError": OPENAI_ERROR,
         **requests,
@@ -85,6 +110,18 @@ def openapi_spec(stats: dict | None = None) -> dict:
         "ChatCompletion": {"type": "object", "required": ["id", "object", "created", "model", "choices", "usage"],
                            "properties": {"id": _string, "object": {"const": "chat.completion"}, "created": _integer,
                                           "model": _string, "choices": {"type": "array"}, "usage": USAGE}},
+        "Model": {"type": "object", "required": ["id", "object", "created", "owned_by", "max_model_len", "grid"],
+                  "properties": {"id": _string, "object": {"const": "model"}, "created": _integer,
+                                 "owned_by": _string, "max_model_len": _integer, "context_length": _integer,
+                                 "vocab_size": _integer, "aliases": {"type": "array", "items": _string},
+                                 "grid": {"type": "object"}}},
+        "Tokenized": {"type": "object", "required": ["tokens", "count", "max_model_len"], "properties": {
+            "tokens": {"type": "array", "items": {"anyOf": [_integer, {
+                "type": "object", "required": ["id", "piece"], "properties": {"id": _integer, "piece": _string}}]}},
+            "count": _integer, "max_model_len": _integer,
+            "token_strs": {"type": "array", "items": {"type": ["string", "null"]}}}},
+        "Detokenized": {"type": "object", "required": ["content", "prompt"],
+                        "properties": {"content": _string, "prompt": _string}},
         "Models": {"type": "object", "required": ["object", "data"],
                    "properties": {"object": {"const": "list"}, "data": {"type": "array"}}},
         "Ready": {"type": "object", "required": ["ready", "model"],
@@ -99,6 +136,9 @@ def openapi_spec(stats: dict | None = None) -> dict:
     doc["info"]["description"] = (
         "An OpenAI-compatible API in front of a larql-edge grid, with continuous batching. Every error is "
         '{"error": {"message", "type", "param", "code"}} (OpenAI\'s format).')
+    doc["components"]["securitySchemes"]["apiKey"] = {
+        "type": "http", "scheme": "bearer",
+        "description": "With --api-key: one of its keys (a 401 otherwise, before the body is read)"}
     return doc
 
 

@@ -19,7 +19,7 @@ from sanic import Blueprint
 from sanic.request import Request
 from sanic.response import HTTPResponse, json
 
-from larql_edge.errors import BadRequest, LarqlError
+from larql_edge.errors import BadRequest, LarqlError, NotFound
 from larql_edge.service import JSON_KIND, body_kind, json_object
 
 from . import api
@@ -28,15 +28,75 @@ from .scheduler import Event, Params, Seq, TokenInfo
 bp = Blueprint("openai")
 
 
+def _model(s) -> dict:
+    return {"id": s.model_id, "object": "model", "created": s.created, "owned_by": "larql-edge"}
+
+
 @bp.get("/v1/models", name="models")
 async def models(request: Request) -> HTTPResponse:
+    return json({"object": "list", "data": [_model(request.app.ctx.served)]})
+
+
+@bp.get("/v1/models/<model_id:path>", name="model")
+async def model(request: Request, model_id: str) -> HTTPResponse:
+    """One model: OpenAI's object, with the context length (vLLM's max_model_len) and the grid."""
     s = request.app.ctx.served
-    return json({"object": "list", "data": [{"id": s.model_id, "object": "model", "created": s.created,
-                                             "owned_by": "larql-edge"}]})
+    if model_id != s.model_id and model_id not in s.names:
+        raise api.api_error(NotFound, f"the model {model_id[:80]!r} does not exist: this server serves {s.model_id!r}",
+                            "model", "model_not_found")
+    return json(_model(s) | {"max_model_len": s.context, "context_length": s.context, "vocab_size": s.vocab,
+                             "aliases": sorted(s.names - {s.model_id}), "grid": s.grid})
 
 
-def _body(request: Request) -> dict:
+@bp.post("/tokenize", name="tokenize", stream=True)
+async def tokenize(request: Request) -> HTTPResponse:
+    """llama.cpp's and vLLM's /tokenize in one: ``tokens`` (ids, or {id, piece} with with_pieces),
+    and vLLM's ``count`` and ``max_model_len``."""
+    served = request.app.ctx.served
+    req = api.tokenize_request(await _body(request), served.model_id, served.names)
+
+    def run() -> list[int]:
+        if req.messages is not None:
+            if served.chat_template is None:
+                raise api.bad(f"the model {served.model_id!r} has no chat template", "messages", "no_chat_template")
+            gen = True if req.add_generation_prompt is None else req.add_generation_prompt
+            text = served.chat_template.render([m.for_template() for m in req.messages], add_generation_prompt=gen)
+            return served.tokenizer.encode(text, add_special_tokens=bool(req.add_special_tokens)).ids
+        if req.content is not None:  # llama.cpp: no special tokens unless asked
+            special = bool(req.add_special or req.add_special_tokens)
+            return served.tokenizer.encode(req.content, add_special_tokens=special).ids
+        special = req.add_special_tokens is not False and req.add_special is not False  # vLLM: on unless off
+        return served.tokenizer.encode(req.prompt, add_special_tokens=special).ids
+
+    ids = await request.app.ctx.compute.run(run)
+    out: dict[str, Any] = {"count": len(ids), "max_model_len": served.context}
+    if req.with_pieces:
+        out["tokens"] = [{"id": i, "piece": served.tokenizer.decode([i], skip_special_tokens=False)} for i in ids]
+    else:
+        out["tokens"] = ids
+    if req.return_token_strs:
+        out["token_strs"] = [served.tokenizer.id_to_token(i) for i in ids]
+    return json(out)
+
+
+@bp.post("/detokenize", name="detokenize", stream=True)
+async def detokenize(request: Request) -> HTTPResponse:
+    """llama.cpp's reply key (``content``) and vLLM's (``prompt``), the same text."""
+    served = request.app.ctx.served
+    req = api.detokenize_request(await _body(request), served.model_id, served.names)
+    if req.tokens and max(req.tokens) >= served.vocab:
+        raise api.bad(f"token ids must be in [0, {served.vocab})", "tokens")
+    text = await request.app.ctx.compute.run(served.tokenizer.decode, req.tokens, False)
+    return json({"content": text, "prompt": text})
+
+
+async def _body(request: Request) -> dict:
+    """The JSON body of a POST route. Those routes are ``stream=True`` so that the API key (a request
+    middleware, `auth.py`) is checked before any body byte is read; the body limit is Sanic's again."""
     body_kind(request, (JSON_KIND,))
+    if request.stream is not None:
+        request.stream.request_max_size = request.app.config.REQUEST_MAX_SIZE
+        await request.receive_body()
     return json_object(request)
 
 
@@ -60,6 +120,9 @@ def _params(served, req: api.CompletionRequest | api.ChatCompletionRequest, n_pr
         raise api.bad(f"the prompt is {n_prompt} tokens; this model's context is {served.context} tokens "
                       "(prompt and completion together)", "messages" if chat else "prompt",
                       "context_length_exceeded")
+    for tid in req.logit_bias:
+        if tid >= served.vocab:
+            raise api.bad(f"logit_bias: token id {tid} is beyond the vocabulary ({served.vocab} tokens)", "logit_bias")
     if isinstance(req, api.ChatCompletionRequest):  # max_completion_tokens wins; max_tokens is still checked
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     else:
@@ -67,7 +130,10 @@ def _params(served, req: api.CompletionRequest | api.ChatCompletionRequest, n_pr
     return Params(max_tokens=room if max_tokens is None else min(max_tokens, room),
                   temperature=1.0 if req.temperature is None else req.temperature,
                   top_p=(1.0 if req.top_p is None else req.top_p) or 1e-9,
-                  seed=None if req.seed is None else abs(req.seed), stop=req.stop, logprobs=logprobs)
+                  seed=None if req.seed is None else abs(req.seed), stop=req.stop, logprobs=logprobs,
+                  presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
+                  repetition_penalty=req.repetition_penalty or 1.0, logit_bias=req.logit_bias,
+                  top_k=max(0, req.top_k or 0), min_p=req.min_p or 0.0)
 
 
 def _completion_logprobs(infos: list[TokenInfo], offset0: int) -> dict:
@@ -99,7 +165,8 @@ class Shape:
     n_prompt: int
     logprobs: int | None = None
     include_usage: bool = False
-    echo: str = ""  # completions' echo: the prompt's text, before the completion's
+    cached: int = 0  # prompt tokens that came from the prefix cache
+    echo: list[str] = field(default_factory=list)  # completions' echo, by choice: the prompt's text first
     rid: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -110,9 +177,14 @@ class Shape:
         return {"id": self.rid, "object": obj, "created": self.created, "model": self.model, "choices": choices,
                 **extra}
 
-    def usage(self, generated: int) -> dict:
+    def usage(self, seqs: list[Seq]) -> dict:
+        generated = sum(len(s.generated) for s in seqs)
         return {"prompt_tokens": self.n_prompt, "completion_tokens": generated,
-                "total_tokens": self.n_prompt + generated}
+                "total_tokens": self.n_prompt + generated,
+                "prompt_tokens_details": {"cached_tokens": sum(s.cached for s in seqs if s.leader is None)}}
+
+    def echoed(self, index: int) -> str:
+        return self.echo[index] if self.echo else ""
 
     def _logprobs(self, infos: list[TokenInfo], offset: int) -> dict | None:
         if self.logprobs is None:
@@ -159,9 +231,9 @@ async def _collect(seqs: list[Seq], shape: Shape) -> HTTPResponse:
             continue
         texts[ev.index].append(ev.text)
         infos[ev.index].extend(ev.tokens)
-    choices = [shape.choice(i, shape.echo + "".join(texts[i]), infos[i], finish[i]) for i in range(len(seqs))]
+    choices = [shape.choice(i, shape.echoed(i) + "".join(texts[i]), infos[i], finish[i]) for i in range(len(seqs))]
     obj = "chat.completion" if shape.chat else "text_completion"
-    return json(shape.body(obj, choices, usage=shape.usage(sum(len(s.generated) for s in seqs))))
+    return json(shape.body(obj, choices, usage=shape.usage(seqs)))
 
 
 async def _stream(request: Request, seqs: list[Seq], shape: Shape) -> None:
@@ -177,9 +249,9 @@ async def _stream(request: Request, seqs: list[Seq], shape: Shape) -> None:
     for s in seqs:
         if shape.chat:
             await send([shape.delta(s.index, "", [], role=True)])
-        elif shape.echo:
-            await send([shape.delta(s.index, shape.echo, [])])
-    offsets = [len(shape.echo)] * len(seqs)
+        elif shape.echoed(s.index):
+            await send([shape.delta(s.index, shape.echoed(s.index), [])])
+    offsets = [len(shape.echoed(s.index)) for s in seqs]
     events = seqs[0].events
     left = len(seqs)
     while left:
@@ -194,7 +266,7 @@ async def _stream(request: Request, seqs: list[Seq], shape: Shape) -> None:
             left -= 1
             await send([shape.delta(ev.index, None, [], finish=ev.finish_reason)])
             if not left and shape.include_usage:
-                await send([], shape.usage(sum(len(s.generated) for s in seqs)))
+                await send([], shape.usage(seqs))
             continue
         await send([shape.delta(ev.index, ev.text, ev.tokens, offsets[ev.index])])
         offsets[ev.index] += len(ev.text)
@@ -202,23 +274,30 @@ async def _stream(request: Request, seqs: list[Seq], shape: Shape) -> None:
     await response.eof()
 
 
-async def _run(request: Request, req: api.CompletionRequest | api.ChatCompletionRequest, prompt_ids: list[int],
-               chat: bool, echo: str = "") -> HTTPResponse | None:
+async def _run(request: Request, req: api.CompletionRequest | api.ChatCompletionRequest, prompts: list[list[int]],
+               chat: bool, echo: list[str] | None = None) -> HTTPResponse | None:
+    """``prompts``: one, or a completions batch; each gives n choices (index: prompt x n + i)."""
     app = request.app
     served, sched = app.ctx.served, app.ctx.scheduler
     if isinstance(req, api.ChatCompletionRequest):
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
     else:
         logprobs = req.logprobs
-    params = _params(served, req, len(prompt_ids), chat, logprobs)
+    n = req.n or 1
+    if n > sched.max_active:
+        raise api.bad(f"n={n}: this server steps at most {sched.max_active} sequences together", "n")
+    params = [_params(served, req, len(ids), chat, logprobs) for ids in prompts]
     stream = bool(req.stream)
-    shape = Shape(chat, served.model_id, len(prompt_ids), logprobs,
+    shape = Shape(chat, served.model_id, sum(len(ids) for ids in prompts), logprobs,
                   include_usage=stream and bool(req.stream_options and req.stream_options.include_usage),
-                  echo=echo)
-    seq = Seq(prompt_ids, params, asyncio.get_running_loop())
-    seqs = [seq]
-    sched.admit(seq)  # 429 before any byte of a stream is sent
+                  echo=[e for e in echo or () for _ in range(n)])
+    loop, events = asyncio.get_running_loop(), asyncio.Queue[Event]()
+    groups = [[Seq(ids, p, loop, events, index=j * n + i) for i in range(n)] for j, (ids, p) in
+              enumerate(zip(prompts, params, strict=True))]
+    seqs = [s for g in groups for s in g]
     try:
+        for g in groups:
+            sched.admit(g[0], g[1:])  # 429 before any byte of a stream is sent
         if not stream:
             return await _collect(seqs, shape)
         await _stream(request, seqs, shape)
@@ -228,25 +307,31 @@ async def _run(request: Request, req: api.CompletionRequest | api.ChatCompletion
             sched.cancel(s)  # a no-op for a finished sequence; frees a departed client's slot at once
 
 
-@bp.post("/v1/completions", name="completions")
+@bp.post("/v1/completions", name="completions", stream=True)
 async def completions(request: Request):
     served = request.app.ctx.served
-    req = api.completion_request(_body(request), served.model_id, served.names)
+    req = api.completion_request(await _body(request), served.model_id, served.names)
     if req.echo and req.logprobs is not None:
         raise api.bad("echo with logprobs is not supported (the prompt's own log-probabilities are not computed)",
                       "echo", "unsupported_value")
-    # Tokenizing a large prompt takes a while: off the event loop, in the app's compute thread.
-    ids = await request.app.ctx.compute.run(_prompt_ids, served, req.prompt, False)
-    echo = ""
+    if req.best_of is not None and req.best_of != (req.n or 1):
+        raise api.bad("best_of must equal n: completions are not ranked here", "best_of", "unsupported_value")
+
+    def tokenized() -> list[list[int]]:  # a large prompt takes a while: off the event loop
+        return [_prompt_ids(served, p, False) for p in req.prompt]
+
+    prompts = await request.app.ctx.compute.run(tokenized)
+    echo = None
     if req.echo:
-        echo = req.prompt if isinstance(req.prompt, str) else served.tokenizer.decode(ids, skip_special_tokens=False)
-    return await _run(request, req, ids, chat=False, echo=echo)
+        echo = [p if isinstance(p, str) else served.tokenizer.decode(ids, skip_special_tokens=False)
+                for p, ids in zip(req.prompt, prompts, strict=True)]
+    return await _run(request, req, prompts, chat=False, echo=echo)
 
 
-@bp.post("/v1/chat/completions", name="chat_completions")
+@bp.post("/v1/chat/completions", name="chat_completions", stream=True)
 async def chat_completions(request: Request):
     served = request.app.ctx.served
-    req = api.chat_request(_body(request), served.model_id, served.names)
+    req = api.chat_request(await _body(request), served.model_id, served.names)
     messages = [m.for_template() for m in req.messages]
     if served.chat_template is None:
         raise api.api_error(BadRequest, f"the model {served.model_id!r} has no chat template (its vindex has no "
@@ -257,4 +342,4 @@ async def chat_completions(request: Request):
     def prompt_ids() -> list[int]:  # rendering and tokenizing: off the event loop
         return _prompt_ids(served, template.render(messages, add_generation_prompt=True), True)
 
-    return await _run(request, req, await request.app.ctx.compute.run(prompt_ids), chat=True)
+    return await _run(request, req, [await request.app.ctx.compute.run(prompt_ids)], chat=True)
