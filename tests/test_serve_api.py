@@ -127,16 +127,20 @@ def test_bad_sampling_controls_are_400s_naming_them(serve, body, param):
 
 
 # -- sampling controls ---------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def ids_of(tiny_models):
+def ids_by_text(vindex) -> dict[str, list[int]]:
     """Token text (as logprobs name it) -> every id decoding to it."""
     from larql_edge.format.vindex import Vindex
 
-    tok = Vindex.open(tiny_models["gemma3"]).load_tokenizer()
+    tok = Vindex.open(vindex).load_tokenizer()
     out: dict[str, list[int]] = {}
     for i, text in enumerate(tok.decode_batch([[i] for i in range(tok.get_vocab_size())])):
         out.setdefault(text, []).append(i)
     return out
+
+
+@pytest.fixture(scope="module")
+def ids_of(tiny_models):
+    return ids_by_text(tiny_models["gemma3"])
 
 
 def test_logit_bias_bans_a_token_and_the_penalties_change_the_output(serve, ids_of):
@@ -275,11 +279,12 @@ def test_api_keys_401_before_the_body_is_read_and_health_stays_open(tiny_models,
     import socket
 
     from larql_edge.format.vindex import Vindex
+    from larql_edge.net.remote import RemoteSettings
     from larql_edge.roles.serve.app import create_app, remote_engine, served_model
     from larql_edge.testing.servers import ServerThread
 
     vx = Vindex.open(tiny_models["gemma3"])
-    engine = remote_engine(vx, grid["router"].url, None, timeout=30, retries=1)
+    engine = remote_engine(vx, RemoteSettings(ffn=grid["router"].url, timeout=30, retries=1))
     served = served_model(vx, vx.load_tokenizer(), 64, None)
     keys = ("k-one-secret", "k-two-secret")
     with ServerThread(create_app(engine, served, Limits(context=64), api_keys=keys)) as s:

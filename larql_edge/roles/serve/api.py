@@ -94,6 +94,11 @@ Temperature = Annotated[float, Field(ge=0, le=2, allow_inf_nan=False)]
 Probability = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]
 
 
+def rng_seed(seed: int | None) -> int | None:
+    """numpy takes non-negative seeds: a negative one goes above 2**64, so x and -x differ."""
+    return seed if seed is None or seed >= 0 else (1 << 64) - seed
+
+
 def ignored(what: str) -> Any:
     return Field(None, description=f"Accepted and ignored ({what})")
 

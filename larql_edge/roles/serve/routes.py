@@ -20,6 +20,7 @@ from sanic.request import Request
 from sanic.response import HTTPResponse, json
 
 from larql_edge.errors import BadRequest, LarqlError, NotFound
+from larql_edge.model import tokens
 from larql_edge.service import JSON_KIND, body_kind, json_object
 
 from . import api
@@ -61,12 +62,13 @@ async def tokenize(request: Request) -> HTTPResponse:
                 raise api.bad(f"the model {served.model_id!r} has no chat template", "messages", "no_chat_template")
             gen = True if req.add_generation_prompt is None else req.add_generation_prompt
             text = served.chat_template.render([m.for_template() for m in req.messages], add_generation_prompt=gen)
-            return served.tokenizer.encode(text, add_special_tokens=bool(req.add_special_tokens)).ids
+            return tokens.encode(served.tokenizer, text, add_special_tokens=bool(req.add_special_tokens))
         if req.content is not None:  # llama.cpp: no special tokens unless asked
             special = bool(req.add_special or req.add_special_tokens)
-            return served.tokenizer.encode(req.content, add_special_tokens=special).ids
+            return tokens.encode(served.tokenizer, req.content, add_special_tokens=special)
         special = req.add_special_tokens is not False and req.add_special is not False  # vLLM: on unless off
-        return served.tokenizer.encode(req.prompt, add_special_tokens=special).ids
+        assert req.prompt is not None  # exactly one of content, prompt, messages (api.tokenize_request)
+        return tokens.encode(served.tokenizer, req.prompt, add_special_tokens=special)
 
     ids = await request.app.ctx.compute.run(run)
     out: dict[str, Any] = {"count": len(ids), "max_model_len": served.context}
@@ -105,9 +107,13 @@ def _prompt_ids(served, prompt: str | list[int], chat: bool) -> list[int]:
         if min(prompt) < 0 or max(prompt) >= served.vocab:
             raise api.bad(f"prompt token ids must be in [0, {served.vocab})", "prompt")
         return prompt
+    if served.bound.exceeds(prompt, served.context):  # more tokens than the context whatever it encodes to
+        raise api.bad(f"the prompt is {len(prompt)} characters, more than this model's context of {served.context} "
+                      f"tokens can hold (at most {served.bound.chars(served.context)} characters)",
+                      "messages" if chat else "prompt", "context_length_exceeded")
     # Chat text carries its own special tokens (the template's bos_token): as transformers'
     # apply_chat_template, it is encoded without adding them again.
-    ids = served.tokenizer.encode(prompt, add_special_tokens=not chat).ids
+    ids = tokens.encode(served.tokenizer, prompt, add_special_tokens=not chat)
     if not ids:
         raise api.bad("the prompt encodes to no tokens", "prompt")
     return ids
@@ -130,7 +136,7 @@ def _params(served, req: api.CompletionRequest | api.ChatCompletionRequest, n_pr
     return Params(max_tokens=room if max_tokens is None else min(max_tokens, room),
                   temperature=1.0 if req.temperature is None else req.temperature,
                   top_p=(1.0 if req.top_p is None else req.top_p) or 1e-9,
-                  seed=None if req.seed is None else abs(req.seed), stop=req.stop, logprobs=logprobs,
+                  seed=api.rng_seed(req.seed), stop=req.stop, logprobs=logprobs,
                   presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
                   repetition_penalty=req.repetition_penalty or 1.0, logit_bias=req.logit_bias,
                   top_k=max(0, req.top_k or 0), min_p=req.min_p or 0.0)
