@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 from larql_edge.format.vindex import Vindex
+from larql_edge.net.remote import RemoteSettings
 from larql_edge.roles.serve.app import Limits, create_app, remote_engine, served_model
 from larql_edge.testing.servers import ServerThread
 from tests import _inproc
@@ -30,7 +31,7 @@ def tokenizer(tiny_models):
 
 def _serve(vx_path, router_url: str, limits: Limits) -> ServerThread:
     vx = Vindex.open(vx_path)
-    engine = remote_engine(vx, router_url, None, timeout=30, retries=1)
+    engine = remote_engine(vx, RemoteSettings(ffn=router_url, timeout=30, retries=1))
     served = served_model(vx, vx.load_tokenizer(), limits.context, None)
     served.eos_ids = ()  # sequences run to max_tokens: they hold their slots as long as a test needs
     return ServerThread(create_app(engine, served, limits))
