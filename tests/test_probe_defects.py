@@ -374,3 +374,22 @@ def test_a_deeply_nested_index_is_a_clear_error(tiny_models, tmp_path):
         Vindex.open(v)
     r = slicer("verify", str(v))
     assert r.returncode != 0 and "Traceback" not in r.stderr
+
+
+def test_an_embed_server_whose_model_cannot_load_is_not_alive(tiny_models, tmp_path):
+    """On a permanent load failure the embed server stayed 'not ready' forever while /v1/health said
+    ok, so nothing restarted it. /v1/health now answers 503 with the reason."""
+    import shutil
+
+    v = tmp_path / "broken.vindex"
+    shutil.copytree(tiny_models["gemma3"], v)
+    with open(v / "embeddings.bin", "r+b") as f:  # truncated: fits no shape index.json states
+        f.truncate(1000)
+    with _inproc.embed({"gemma": v}) as srv:
+        deadline = time.monotonic() + 60
+        while httpx.get(srv.url + "/v1/health").status_code == 200 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        r = httpx.get(srv.url + "/v1/health")
+        assert r.status_code == 503 and "embeddings.bin" in r.text, r.text
+        ready = httpx.get(srv.url + "/v1/ready")
+        assert ready.status_code == 503 and "embeddings.bin" in ready.text
