@@ -427,3 +427,4 @@ def test_a_member_three_quarters_of_a_second_away_joins(tiny_models):
             assert member.member_ids and all(member.member_ids.values()), member.member_ids
             joins = [link.joins for link, _ in member.links.values()]
             assert joins == [1], joins
+
