@@ -203,10 +203,14 @@ def main() -> int:
         only = set(args.only.split(","))
         keys = {"embed server": "embed", "FFN shard": "ffn", "router": "router", "larql-serve": "serve"}
         for name, role, reqs, what, bound, why in [c for c in cases if keys[c[0]] in only]:
+            def failures() -> dict[str, int]:
+                grid = json.loads(HttpClient().request("GET", router.url + "/v1/grid").content)
+                return {m["url"]: m["failures"] for m in grid["members"]}
+
+            before = failures()
             r = load(role, reqs, args.seconds, k)
             grew = r["rss_peak"] - r["rss_start"]
-            failed = [m["url"] for m in json.loads(HttpClient().request("GET", router.url + "/v1/grid").content)["members"]
-                      if m["failures"]]
+            failed = [u for u, n in failures().items() if n > before.get(u, 0)]  # marked failed during this case
             verdict = (not r["errors"] and r["health_p99_ms"] <= HEALTH_P99_BOUND_MS and grew <= bound and not failed)
             ok &= verdict
             say(f"{name}: {what}")
