@@ -2,8 +2,10 @@
 
 Tiers: ``-m "not slow"`` is the fast tier: in-process (servers run in threads, CLIs through their
 ``main``), no subprocess at all (`_no_subprocess_in_the_fast_tier` fails a test that starts one),
-tiny models generated in-test. ``slow`` is added to every test marked ``real_model``,
-``multiprocess`` or ``docker``, and to every test that uses a real-model fixture.
+tiny models generated in-test, under a minute on 2 cores. ``slow`` is added to every test marked
+``real_model``, ``multiprocess`` or ``docker``, and to every test that uses a real-model fixture; an
+in-process test that takes tens of seconds (schemathesis fuzzing, Hub round trips of whole vindexes)
+carries ``slow`` itself (`scripts/test` lists the slowest tests of a run: look there first).
 
 Under ``CI`` no skip is allowed: a skip there would hide a missing piece (a tool not installed, a
 model not found), so it is turned into a failure. Only a skip whose reason starts with
@@ -27,6 +29,9 @@ REAL_MODEL_FIXTURES = {"gemma_f32", "gemma_f16", "smol_f32", "smol_f16"}
 ISOLATED_PREFIXES = ("LARQL_", "HF_", "HUGGINGFACE_")
 ISOLATED = ("PROMETHEUS_MULTIPROC_DIR",)
 _CACHE_DIR = os.environ.get("LARQL_CACHE_DIR")  # the one LARQL_ setting every test keeps
+# Tests marked ``under_load`` (faults, Swarm, pull) run beside this many CPU hogs (stress-ng): 2 under
+# CI, none elsewhere unless TEST_CPU_HOGS says (read here: LARQL_ variables are isolated away).
+_CPU_HOGS = int(os.environ.get("TEST_CPU_HOGS") or (2 if os.environ.get("CI") else 0))
 
 
 def pytest_configure(config):
@@ -37,6 +42,8 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
+        if item.get_closest_marker("under_load"):  # the hogs are processes
+            item.add_marker(pytest.mark.multiprocess)
         if REAL_MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.real_model)
         if any(item.get_closest_marker(m) for m in TIER_MARKERS):
@@ -65,6 +72,17 @@ def pytest_runtest_makereport(item, call):
 def pytest_collectreport(report):
     if _under_ci() and report.skipped and not _allowed_skip(report.longrepr):
         report.outcome = "failed"
+
+
+@pytest.fixture(autouse=True)
+def _cpu_hogs_beside(request):
+    if not _CPU_HOGS or request.node.get_closest_marker("under_load") is None:
+        yield
+        return
+    from larql_edge.testing.load import cpu_hogs
+
+    with cpu_hogs(_CPU_HOGS):
+        yield
 
 
 @pytest.fixture(autouse=True)

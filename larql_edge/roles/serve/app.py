@@ -7,6 +7,7 @@ attention from the vindex (the ``attn`` preset carries it), embeddings, FFN and 
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,15 +16,18 @@ from typing import Any
 from sanic import Sanic
 from sanic.request import Request
 
+from larql_edge.errors import ServiceUnavailable
 from larql_edge.format.vindex import Vindex
 from larql_edge.model.batch import BatchEngine, kv_bytes_per_token
+from larql_edge.model.prefix_cache import PrefixCache
 from larql_edge.model.tokens import TextBound
 from larql_edge.net.hops import HopLog
 from larql_edge.net.remote import RemoteSettings, build_tiers
 from larql_edge.service import Hooks, make_app
 from larql_edge.service.metrics import HopMetrics
 
-from .api import openai_error_body
+from .api import MAX_N, openai_error_body
+from .auth import require_api_keys
 from .chat import ChatTemplate
 from .openapi import openapi_spec
 from .routes import bp
@@ -42,11 +46,18 @@ class Limits:
     context: int = 2048
     kv_memory_bytes: int = 1 << 30
     step_tokens: int = 128
+    prefix_cache_bytes: int | None = None  # None: what kv_memory_bytes leaves after max_active caches; 0: off
+
+    def prefix_budget(self, spec) -> int:
+        if self.prefix_cache_bytes is not None:
+            return self.prefix_cache_bytes
+        return max(0, self.kv_memory_bytes - self.max_active * self.context * kv_bytes_per_token(spec))
 
     def as_json(self, spec) -> dict:
         return {"max_active": self.max_active, "max_queue": self.max_queue, "context": self.context,
                 "kv_memory_bytes": self.kv_memory_bytes, "kv_bytes_per_sequence": self.context * kv_bytes_per_token(spec),
-                "step_tokens": self.step_tokens, "n": 1, "max_body_bytes": MAX_BODY}
+                "step_tokens": self.step_tokens, "n": min(MAX_N, self.max_active), "max_body_bytes": MAX_BODY,
+                "prefix_cache_bytes": self.prefix_budget(spec)}
 
 
 @dataclass
@@ -58,6 +69,7 @@ class Served:
     chat_template: ChatTemplate | None
     eos_ids: tuple[int, ...]
     names: frozenset[str] = frozenset()  # every name a request may give for the model (model_id too)
+    grid: dict[str, Any] = field(default_factory=dict)  # what GET /v1/models/{id} says the model runs on
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:
@@ -69,12 +81,17 @@ def effective_limits(limits: Limits, spec) -> Limits:
     per_seq = limits.context * kv_bytes_per_token(spec)
     by_memory = max(0, limits.kv_memory_bytes // per_seq)
     return Limits(min(limits.max_active, by_memory), limits.max_queue, limits.context, limits.kv_memory_bytes,
-                  limits.step_tokens)
+                  limits.step_tokens, limits.prefix_cache_bytes)
 
 
-def create_app(engine: BatchEngine, served: Served, limits: Limits, name: str = "larql_serve") -> Sanic:
+def create_app(engine: BatchEngine, served: Served, limits: Limits, name: str = "larql_serve",
+               api_keys: tuple[str, ...] = ()) -> Sanic:
+    """``api_keys``: when given, every route but health, readiness, metrics and /openapi.json needs one."""
+    budget = limits.prefix_budget(engine.spec)
+    prefix = PrefixCache(budget, kv_bytes_per_token(engine.spec)) if budget else None
     sched = Scheduler(engine, served.tokenizer, context=limits.context, max_active=limits.max_active,
-                      max_queue=limits.max_queue, step_tokens=limits.step_tokens, eos_ids=served.eos_ids)
+                      max_queue=limits.max_queue, step_tokens=limits.step_tokens, eos_ids=served.eos_ids,
+                      prefix=prefix)
 
     def data_path() -> dict:
         path, hedger = getattr(engine.ffn, "path", None), getattr(engine.ffn, "hedger", None)
@@ -89,12 +106,23 @@ def create_app(engine: BatchEngine, served: Served, limits: Limits, name: str = 
                 "active": sched.active_count, "queued": sched.queued_count,
                 "scheduler": sched.stats(), "limits": limits.as_json(engine.spec), "data_path": data_path()}
 
+    async def drain(seconds: float) -> None:
+        """SIGTERM: new requests get a retryable 503, the sequences already admitted have ``seconds``
+        to finish; any still running then ends with an error event and [DONE], never silence."""
+        sched.draining = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + seconds * 0.8  # the rest: for the handlers to send their last events
+        while sched.active_count + sched.queued_count and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        await asyncio.to_thread(sched.stop, ServiceUnavailable("this server is shutting down: retry the request"))
+
     hooks = Hooks(ready=lambda: {"ready": True, "model": served.model_id}, stats=stats,
-                  inflight=lambda: sched.active_count + sched.queued_count, openapi=openapi_spec())
+                  inflight=lambda: sched.active_count + sched.queued_count, openapi=openapi_spec(), drain=drain)
     app = make_app(name, "serve", hooks, max_body=MAX_BODY, error_body=openai_error_body)
     app.config.RESPONSE_TIMEOUT = 3600  # a long generation streams for minutes
     app.ctx.served, app.ctx.scheduler, app.ctx.engine = served, sched, engine
     app.blueprint(bp)
+    require_api_keys(app, api_keys)
 
     m = app.ctx.metrics
     active = m.gauge("active_sequences", "Sequences holding a KV cache, stepped together")
@@ -129,9 +157,9 @@ def create_app(engine: BatchEngine, served: Served, limits: Limits, name: str = 
 
     m.add_flusher(flush_hops)
 
-    @app.before_server_stop
+    @app.after_server_stop
     async def _stop_scheduler(app_):
-        sched.stop()
+        sched.stop()  # already stopped by the drain, unless the app stopped without one
 
     return app
 
@@ -160,7 +188,9 @@ def served_model(vx: Vindex, tokenizer, context: int, chat_template_file: str | 
     from .chat import eos_from_generation_config, load_chat_template
 
     spec = ModelSpec.from_index(vx.index)
-    eos = tuple(dict.fromkeys(spec.eos_token_ids + eos_from_generation_config(Path(vx.path))))
+    chat = load_chat_template(Path(vx.path), chat_template_file, tokenizer, vx.index.family)
+    turn_end = (tokenizer.token_to_id(chat.end_of_turn),) if chat is not None and chat.end_of_turn else ()
+    eos = tuple(dict.fromkeys(spec.eos_token_ids + eos_from_generation_config(Path(vx.path)) + turn_end))
     return Served(model_id=names[0] if names else vx.model, tokenizer=tokenizer, vocab=spec.vocab_size, context=context,
-                  chat_template=load_chat_template(Path(vx.path), chat_template_file), eos_ids=eos,
+                  chat_template=chat, eos_ids=eos,
                   names=frozenset((*names, vx.model)))
