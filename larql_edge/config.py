@@ -58,6 +58,22 @@ def read_secret_file(path: str, what: str) -> str:
     return text
 
 
+def _non_negative(type: Callable[[str], Any]) -> Callable[[str], Any]:
+    """Every numeric flag is a size, count, port, time or seed: a negative one (``--hot-cache -5``)
+    is a usage error, not silently 0 rows; a float must also be finite."""
+
+    def parse(text: str) -> Any:
+        value = type(text)
+        if value != value or value in (float("inf"), float("-inf")):
+            raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+        if value < 0:
+            raise argparse.ArgumentTypeError(f"must be >= 0, got {text!r}")
+        return value
+
+    parse.__name__ = type.__name__  # argparse's "invalid int value: 'x'" names the base type
+    return parse
+
+
 class _SecretFile(argparse.Action):
     """``--x-file PATH``: read the secret now and store it where ``--x`` would."""
 
@@ -109,6 +125,8 @@ class Flags:
         mounted secrets; they mean the same as ``--x``."""
         long = next(n for n in names if n.startswith("--"))
         name = env or env_name(long, self.prefix)
+        if type in (int, float):
+            type = _non_negative(type)
         value = self._env_default(name, type, default, secret)
         file_env = name + "_FILE"
         if path_twin and value in (None, "") and os.environ.get(file_env):

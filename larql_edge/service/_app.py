@@ -29,6 +29,11 @@ KEEP_ALIVE_S = 75
 # wait for the connections), after which it is cut. Kubernetes' default grace is 30 s. Each server's
 # --drain-seconds sets it (app.config.GRACEFUL_SHUTDOWN_TIMEOUT).
 DRAIN_S = 10.0
+# A request queued behind others for the compute thread (or, at the router, behind the work it has in
+# flight to a member) waits its turn: Sanic's default 60 s cut answered eight concurrent largest
+# requests on a busy host with 503s. Every wait inside is bounded on its own (compute per request, the
+# router's hop timeouts), so this only catches a handler that never ends.
+RESPONSE_TIMEOUT_S = 900
 
 
 def make_app(name: str, role: str, hooks: Hooks, *, max_body: int, access_log: bool = False,
@@ -42,6 +47,7 @@ def make_app(name: str, role: str, hooks: Hooks, *, max_body: int, access_log: b
     app.config.ACCESS_LOG = access_log
     app.config.MOTD = False
     app.config.GRACEFUL_SHUTDOWN_TIMEOUT = DRAIN_S
+    app.config.RESPONSE_TIMEOUT = RESPONSE_TIMEOUT_S
     app.ctx.hooks = hooks
     app.ctx.draining = False
     app.ctx.compute = compute = Compute(compute_threads, name=f"{role}-compute")

@@ -47,6 +47,9 @@ RETRY_MAX_S = 3.0
 REFUSED_RETRY_S = 10.0  # a refused key will not start working soon; don't hammer the router
 NOT_READY_POLL_S = 0.2
 RESOLVE_S = 5.0
+# A join's reply comes only after the router has probed this member back (two requests of up to 5 s
+# each, router.grid_routes.PROBE_TIMEOUT_S): with 0.75 s one way, a 3 s wait gave up on every join.
+JOIN_TIMEOUT_S = 20.0
 LEAVE_PATH = "/v1/membership/leave"
 
 
@@ -162,12 +165,13 @@ class RouterLink:
         name = SERVER_NAMES.get(self.router)
         return {"sni_hostname": name} if name and self.router.startswith("https:") else {}
 
-    async def _post(self, path: str, body: dict) -> httpx.Response:
+    async def _post(self, path: str, body: dict, timeout: float | None = None) -> httpx.Response:
         assert self._client is not None
-        return await self._client.post(self.router + path, json=body, headers=self._auth, extensions=self._extensions)
+        return await self._client.post(self.router + path, json=body, headers=self._auth, extensions=self._extensions,
+                                       timeout=timeout if timeout is not None else self.timeout)
 
     async def join(self) -> bool:
-        r = await self._post(JOIN, self._body())
+        r = await self._post(JOIN, self._body(), timeout=max(self.timeout, JOIN_TIMEOUT_S))
         if r.status_code == 200:
             reply = r.json()
             self.member_id = str(reply["member_id"])
@@ -222,7 +226,10 @@ class RouterLink:
                     wait = self.interval
                 except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
                     if not self._warned:
-                        log.warning("router %s unreachable (%s); retrying", self.router, type(e).__name__)
+                        if isinstance(e, httpx.TimeoutException) and not isinstance(e, httpx.ConnectTimeout):
+                            log.warning("router %s took too long to answer (%s); retrying", self.router, type(e).__name__)
+                        else:
+                            log.warning("router %s unreachable (%s); retrying", self.router, type(e).__name__)
                         self._warned = True
                     wait, delay = delay, min(delay * 2, RETRY_MAX_S)
                 try:

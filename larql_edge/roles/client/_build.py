@@ -47,6 +47,16 @@ def settings(args: argparse.Namespace) -> RemoteSettings:
                           hedge_budget=args.hedge_budget)
 
 
+def _patience() -> dict:
+    """A command line: a grid that is not up is an error at once, and every retry wait is a line on
+    stderr (the default budget spans ~15 s, which silent looks like a hang)."""
+
+    def say(line: str) -> None:
+        print(f"larql: {line}", file=sys.stderr, flush=True)
+
+    return {"on_retry": say, "refused_first_is_fatal": True}
+
+
 def build_model(args: argparse.Namespace, hops: HopLog | None = None):
     if not args.vindex:
         raise VindexError("--vindex is required (or set LARQL_VINDEX)")
@@ -73,7 +83,7 @@ def build_remote(vx: Vindex, s: RemoteSettings, hops: HopLog | None = None) -> T
     spec = ModelSpec.from_index(vx.index)
     be = get_backend()
     tiers = build_tiers(s, spec.hidden_size, spec.num_layers, spec.vocab_size,
-                        notice=lambda text: print(f"larql: {text}", file=sys.stderr), hops=hops)
+                        notice=lambda text: print(f"larql: {text}", file=sys.stderr), hops=hops, **_patience())
     return Transformer(spec=spec, attn=load_attention(vx, spec, be), embedder=tiers.embedder,
                        ffn_provider=tiers.ffn if tiers.ffn is not None else LocalFfn(vx, spec, backend=be),
                        head=tiers.head, backend=be)

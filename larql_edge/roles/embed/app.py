@@ -146,6 +146,7 @@ async def _load_models(app: Sanic, cfg: EmbedConfig, registry: ModelRegistry, em
     threading.Thread(target=work, name="load-models", daemon=True).start()
     if not await done:
         log.error("not ready: %s", registry.error)
+        app.ctx.failed = f"loading failed for good: {registry.error}"  # /v1/health: 503, so it is restarted
         return
     for m in registry.models.values():
         em.attach(m)

@@ -166,10 +166,14 @@ class Supervisor:
         self.roles.append(role)
         return role
 
-    def wait_ready(self, roles: list[Role], deadline: float) -> None:
-        """Until every role answers 200 on /v1/ready; raises if one exits or time runs out."""
+    def wait_ready(self, roles: list[Role], deadline: float, log=None) -> None:
+        """Until every role answers 200 on /v1/ready; raises if one exits or time runs out.
+        ``log`` gets a line as each role becomes ready (a start can take tens of seconds)."""
+        t0 = time.monotonic()
         for r in roles:
             r.wait_ready(max(0.1, deadline - time.monotonic()))
+            if log is not None:
+                log(f"larql-grid: {r.name} ready ({time.monotonic() - t0:.1f}s)")
 
     def exited(self) -> list[Role]:
         return [r for r in self.roles if r.popen is not None and r.popen.poll() is not None]

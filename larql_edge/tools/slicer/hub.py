@@ -295,10 +295,16 @@ class Hub:
         return out
 
     def lfs_oids(self, repo_id: str) -> dict[str, str]:
-        """path -> remote lfs.oid; empty when anything goes wrong (publish then uploads everything)."""
+        """path -> remote lfs.oid; empty for a repo that does not exist yet (publish uploads everything).
+        Any other failure (no network, 5xx) is raised: a dry run must not show an upload plan as if
+        the Hub were empty."""
+        # One plain request first: huggingface_hub retries a listing with backoff for ~24 s when
+        # nothing answers, while this fails at once (and skips the listing of a new repo).
+        if not self.exists(repo_id):
+            return {}
         try:
             return {p: f.lfs_sha256 for p, f in self.remote_files(repo_id).items() if f.lfs_sha256}
-        except HubError:
+        except HubNotFound:
             return {}
 
     # -- downloads ------------------------------------------------------------------------------
