@@ -226,6 +226,20 @@ def test_inspect_shows_model_and_files(tiny_models):
     assert j["tied"] is False and "lm_head.bin" in j["files"]
 
 
+def test_inspect_backend_names_the_kernel_library():
+    import importlib.metadata
+
+    r = slicer("inspect", "--backend")
+    assert r.returncode == 0, r.stderr
+    assert "compact" in r.stdout and "ggml" in r.stdout and importlib.metadata.version("libggml-python") in r.stdout
+    j = json.loads(slicer("inspect", "--backend", "--json").stdout)
+    assert j["backend"] == "compact" and j["library"].startswith("ggml") and j["threads"] >= 1
+    assert set(j["cpu_features"]) <= {"avx", "avx2", "fma", "f16c", "avx512", "avx512_vnni", "avx_vnni", "neon",
+                                      "dotprod", "matmul_int8", "sve", "llamafile"}
+    r = slicer("inspect")
+    assert r.returncode != 0 and "VINDEX" in r.stderr and "Traceback" not in r.stderr
+
+
 @pytest.mark.parametrize("source", ["llama", "llama-hf", "gemma3", "gemma3-hf"])
 def test_the_chat_template_and_stop_ids_travel_with_the_tokenizer(tiny_ggufs, tmp_path, source):
     """tokenizer_config.json / generation_config.json beside tokenizer.json, from GGUF metadata or the

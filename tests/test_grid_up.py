@@ -60,13 +60,14 @@ def _gone(pid: int) -> bool:
         return True
 
 
-def _up_generate_stop(argv: list[str], local_vindex, n_pids: int, ranges: list[str], tmp_path, timeout: float) -> None:
+def _up_generate_stop(argv: list[str], local_vindex, n_pids: int, ranges: list[str], tmp_path, timeout: float,
+                      env: dict | None = None) -> None:
     """Start `larql-grid up`, run the command it prints, compare with the local forward on
     ``local_vindex``, then Ctrl-C and check every process it started is gone."""
     ports = [free_port() for _ in range(3)]
     argv = [*argv, "--router-port", str(ports[0]), "--embed-port", str(ports[1]), "--ffn-port", str(ports[2]),
             "--log-dir", str(tmp_path / "logs")]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=server_env(),
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env or server_env(),
                             start_new_session=True, stdin=subprocess.DEVNULL)
     try:
         q = _lines(proc)
@@ -109,6 +110,18 @@ def _up_generate_stop(argv: list[str], local_vindex, n_pids: int, ranges: list[s
 def test_grid_up_serves_and_ctrl_c_stops_everything(tiny_models, tmp_path):
     argv = ["larql-grid", "up", "--vindex", str(tiny_models["llama"]), "--shards", "2", "--replicas", "2"]
     _up_generate_stop(argv, tiny_models["llama"], 1 + 1 + 4, ["0-0", "1-1"], tmp_path, timeout=180)  # 2 ranges x 2
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.multiprocess
+def test_grid_up_starts_its_own_installations_roles_without_path(tiny_models, tmp_path):
+    """Issue #19: the roles were started by name from PATH: without the venv on PATH the grid failed, and
+    on the probe machine it started another installation's larql-router. Here PATH holds none of them."""
+    import sys
+
+    env = server_env(PATH="/usr/bin:/bin")
+    argv = [sys.executable, "-m", "larql_edge.tools.grid.cli", "up", "--vindex", str(tiny_models["llama"]), "--shards", "2"]
+    _up_generate_stop(argv, tiny_models["llama"], 1 + 1 + 2, ["0-0", "1-1"], tmp_path, timeout=180, env=env)
 
 
 @pytest.mark.timeout(1200)

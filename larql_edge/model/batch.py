@@ -28,6 +28,7 @@ import numpy as np
 from larql_edge.model import ops
 from larql_edge.model.backend import Backend
 from larql_edge.model.forward import EmbedProvider, FfnProvider, project_qkv
+from larql_edge.model.head import top_k_logprobs
 from larql_edge.model.spec import ModelSpec
 from larql_edge.model.weights import AttentionLayer
 
@@ -47,14 +48,7 @@ class LocalTopK:
 
     def top_k_rows(self, h: np.ndarray, k: int) -> list[tuple[np.ndarray, np.ndarray]]:
         logits = np.asarray(self.head.logits(h), dtype=np.float32)
-        out = []
-        for row in logits:
-            lp = ops.log_softmax(row)
-            kk = min(k, lp.size)
-            idx = np.argpartition(-lp, kk - 1)[:kk]
-            idx = idx[np.lexsort((idx, -lp[idx]))]
-            out.append((idx.astype(np.int64), lp[idx].astype(np.float64)))
-        return out
+        return [top_k_logprobs(row, k) for row in logits]
 
 
 def kv_bytes_per_token(spec: ModelSpec) -> int:

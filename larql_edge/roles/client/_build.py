@@ -18,6 +18,7 @@ from larql_edge.format.vindex import Vindex
 from larql_edge.model.forward import Transformer
 from larql_edge.net.hops import HopLog
 from larql_edge.net.remote import RemoteSettings, add_path_flags, build_tiers
+from larql_edge.net.tls import add_tls_flags, settings_from_args
 
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
@@ -36,6 +37,7 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
           help="with an embed server that answers top-k JSON only (LARQL's): how many candidates to ask for")
     f.add("--retries", type=int, default=10, help="attempts beyond the first for a failed remote request "
           "(on the next replica, with exponential backoff capped at 2 s: ~15 s in all by default)")
+    add_tls_flags(f, server=False)
     add_path_flags(f)
 
 
@@ -66,6 +68,7 @@ def build_model(args: argparse.Namespace, hops: HopLog | None = None):
         threadpool_limits(threads)
     vx = Vindex.open(args.vindex)
     if remote:
+        settings_from_args(args)  # https:// tiers: verified against --tls-ca, with --tls-cert for mutual TLS
         return build_remote(vx, settings(args), hops), vx.load_tokenizer()
     return Transformer.local(vx), vx.load_tokenizer()
 

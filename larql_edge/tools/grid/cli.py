@@ -130,9 +130,9 @@ def up_command(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     try:
-        embed_argv = [console_script("larql-embed"), str(paths["embed"]), "--port", str(embed_port), *common,
+        embed_argv = [*_role("embed"), str(paths["embed"]), "--port", str(embed_port), *common,
                       "--join", router_url, "--public-url", url(embed_port)]
-        router_argv = [console_script("larql-router"), "--port", str(router_port), *common]
+        router_argv = [*_role("router"), "--port", str(router_port), *common]
         router = sup.start("router", router_argv, router_url)
         embed = sup.start("embed", embed_argv, url(embed_port))
         shards = []
@@ -141,7 +141,7 @@ def up_command(args: argparse.Namespace) -> int:
             for i in range(args.replicas):
                 port = next(ports)
                 name = f"ffn-{rng}" + (f"-{i}" if args.replicas > 1 else "")
-                shards.append(sup.start(name, [console_script("larql-ffn"), str(paths["ffn"]), "--layers", str(rng), "--port", str(port),
+                shards.append(sup.start(name, [*_role("ffn"), str(paths["ffn"]), "--layers", str(rng), "--port", str(port),
                                                *common, "--join", router_url, "--public-url", url(port)],
                                         url(port), layers=str(rng)))
         _say(f"larql-grid: starting router, embed server and {len(shards)} FFN shard(s); logs in {log_dir}")
@@ -195,6 +195,12 @@ def _print_ready(client_vindex: Path, router, embed, shards, seconds: float) -> 
                       "--prompt", "The capital of France is", "--max-tokens", "32"])
     lines += ["", "Generate through the grid:", f"  {cmd}", "", "Ctrl-C stops the grid."]
     print("\n".join(lines), flush=True)
+
+
+def _role(name: str) -> list[str]:
+    """The role of THIS installation, run by this interpreter: by name from PATH a grid started without
+    the venv on PATH failed, or started another installation's larql-router."""
+    return [sys.executable, "-P", "-m", f"larql_edge.roles.{name}.cli"]  # -P: not a larql_edge of the cwd
 
 
 def main(argv: list[str] | None = None) -> int:
