@@ -1,0 +1,192 @@
+"""Tools on chat: ``tools`` and ``tool_choice`` checked, the forced calls' grammar, the replies' ``tool_calls``.
+
+- The tools go to the chat template as transformers gives them (``tools=[{"type": "function",
+  "function": {...}}]``); a template that does not use them ignores them (Gemma 3's and SmolLM2's).
+- ``tool_choice: "required"`` and a named function are enforced with the grammar engine, as vLLM
+  does: a named function's reply is its arguments object, valid against the function's
+  ``parameters``; ``required`` replies a JSON list of one or more ``{"name", "parameters"}`` calls,
+  each name one of the tools and its parameters valid against that tool's schema.
+- ``auto`` (the default with tools) parses the model's own tool-call syntax, where its chat template
+  defines one (`syntax_of`): Hermes/Qwen 2.5 ``<tool_call>{...}</tool_call>``, Llama 3.1/3.2 JSON
+  ``{"name": ..., "parameters": ...}``, Mistral ``[TOOL_CALLS][...]``. Other families answer text.
+- ``none``: the tools reach the template, the reply is text.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from larql_edge.errors import BadRequest
+
+MAX_TOOLS = 128  # OpenAI's limit
+_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+def _bad(message: str, param: str, code: str = "invalid_value") -> BadRequest:
+    e = BadRequest(message)
+    e.param = param  # type: ignore[attr-defined]
+    e.code = code  # type: ignore[attr-defined]
+    return e
+
+
+@dataclass
+class ToolPlan:
+    tools: list[dict[str, Any]]  # as the request gave them (for the template)
+    choice: str  # "none" | "auto" | "required" | "function"
+    function: str | None = None  # the named function's name
+
+    @property
+    def forced(self) -> bool:
+        return self.choice in ("required", "function")
+
+    def parameters(self, name: str) -> dict[str, Any]:
+        for t in self.tools:
+            if t["function"]["name"] == name:
+                return t["function"].get("parameters") or {"type": "object", "properties": {}}
+        raise KeyError(name)
+
+    def schema(self) -> dict[str, Any] | None:
+        """The JSON schema a forced reply follows (None: not forced)."""
+        if self.choice == "function":
+            assert self.function is not None
+            return self.parameters(self.function)
+        if self.choice == "required":
+            calls = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]},
+                                                       "parameters": self.parameters(t["function"]["name"])},
+                      "required": ["name", "parameters"], "additionalProperties": False} for t in self.tools]
+            return {"type": "array", "minItems": 1, "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
+        return None
+
+
+def plan(tools: Any, tool_choice: Any) -> ToolPlan | None:
+    """Check ``tools`` and ``tool_choice`` (400 naming the field at fault); None when there are no tools."""
+    if tools is None:
+        if tool_choice not in (None, "none"):
+            raise _bad("tool_choice needs tools", "tool_choice")
+        return None
+    if not isinstance(tools, list) or not tools:
+        raise _bad("tools must be a non-empty list", "tools", "invalid_type")
+    if len(tools) > MAX_TOOLS:
+        raise _bad(f"tools: at most {MAX_TOOLS}", "tools")
+    names = set()
+    for i, t in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(t.get("function"), dict):
+            raise _bad(f'{where} must be {{"type": "function", "function": {{...}}}}', where, "invalid_type")
+        f = t["function"]
+        name = f.get("name")
+        if not isinstance(name, str) or not _NAME.match(name):
+            raise _bad(f"{where}.function.name must be 1 to 64 letters, digits, _ or -", f"{where}.function.name")
+        if name in names:
+            raise _bad(f"{where}.function.name {name!r} is given twice", f"{where}.function.name")
+        names.add(name)
+        if f.get("description") is not None and not isinstance(f["description"], str):
+            raise _bad(f"{where}.function.description must be a string", f"{where}.function.description", "invalid_type")
+        if f.get("parameters") is not None and not isinstance(f["parameters"], dict):
+            raise _bad(f"{where}.function.parameters must be a JSON schema object", f"{where}.function.parameters",
+                       "invalid_type")
+        if f.get("strict") is not None and type(f["strict"]) is not bool:
+            raise _bad(f"{where}.function.strict must be a boolean", f"{where}.function.strict", "invalid_type")
+    if tool_choice is None or tool_choice == "auto":
+        return ToolPlan(tools, "auto")
+    if tool_choice in ("none", "required"):
+        return ToolPlan(tools, tool_choice)
+    if isinstance(tool_choice, dict) and tool_choice.get("type") == "function" and isinstance(tool_choice.get("function"), dict):
+        name = tool_choice["function"].get("name")
+        if name not in names:
+            raise _bad(f"tool_choice names the function {str(name)[:64]!r}, which is not among the tools",
+                       "tool_choice.function.name")
+        return ToolPlan(tools, "function", name)
+    raise _bad('tool_choice must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}',
+               "tool_choice")
+
+
+def call_id() -> str:
+    return "call_" + uuid.uuid4().hex[:24]
+
+
+def call(name: str, arguments: Any) -> dict[str, Any]:
+    """One entry of a reply's ``tool_calls`` (arguments: a JSON string, as OpenAI sends them)."""
+    args = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+    return {"id": call_id(), "type": "function", "function": {"name": name, "arguments": args}}
+
+
+def forced_calls(p: ToolPlan, text: str) -> list[dict[str, Any]] | None:
+    """The calls of a grammar-forced reply; None when the text is not complete JSON (max_tokens cut it)."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    if p.choice == "function":
+        assert p.function is not None
+        return [call(p.function, text)]
+    return [call(c["name"], c["parameters"]) for c in value]
+
+
+# -- auto: the model's own syntax ------------------------------------------------------------------
+
+_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+
+
+def syntax_of(template_source: str | None) -> str | None:
+    """The tool-call syntax a chat template teaches its model, or None (the families documented above)."""
+    src = template_source or ""
+    if "<tool_call>" in src:
+        return "hermes"
+    if "[TOOL_CALLS]" in src:
+        return "mistral"
+    if "<|python_tag|>" in src or ("ipython" in src and '"parameters"' in src):
+        return "llama3_json"
+    return None
+
+
+def _named(obj: Any, args_key: str) -> tuple[str, Any] | None:
+    if isinstance(obj, dict) and isinstance(obj.get("name"), str) and isinstance(obj.get(args_key, {}), dict):
+        return obj["name"], obj.get(args_key, {})
+    return None
+
+
+def parse_auto(syntax: str | None, text: str, names: set[str]) -> tuple[str | None, list[dict[str, Any]]]:
+    """(content, calls) of an ``auto`` reply; calls of functions not among ``names`` are left as text."""
+    if syntax is None:
+        return text, []
+    found: list[tuple[str, Any]] = []
+    content = text
+    if syntax == "hermes":
+        for m in _HERMES.finditer(text):
+            try:
+                got = _named(json.loads(m.group(1)), "arguments")
+            except ValueError:
+                got = None
+            if got is None or got[0] not in names:
+                return text, []
+            found.append(got)
+        content = _HERMES.sub("", text).strip()
+    elif syntax == "mistral":
+        head, sep, tail = text.partition("[TOOL_CALLS]")
+        if sep:
+            try:
+                items = json.loads(tail.strip())
+            except ValueError:
+                return text, []
+            for it in items if isinstance(items, list) else [items]:
+                got = _named(it, "arguments")
+                if got is None or got[0] not in names:
+                    return text, []
+                found.append(got)
+            content = head.strip()
+    elif syntax == "llama3_json":
+        body = text.strip().removeprefix("<|python_tag|>").strip()
+        try:
+            got = _named(json.loads(body), "parameters")
+        except ValueError:
+            got = None
+        if got is not None and got[0] in names:
+            found.append(got)
+            content = ""
+    calls = [call(n, a) for n, a in found]
+    return (content or None) if calls else text, calls
