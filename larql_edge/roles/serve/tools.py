@@ -190,3 +190,79 @@ def parse_auto(syntax: str | None, text: str, names: set[str]) -> tuple[str | No
             content = ""
     calls = [call(n, a) for n, a in found]
     return (content or None) if calls else text, calls
+
+
+class ToolReply:
+    """How one choice's generated text becomes the reply's message (or stream deltas) under a `ToolPlan`.
+
+    - forced, a named function: the text is the call's arguments, streamed as they come (the first
+      delta names the call, each further one appends to ``function.arguments``, as OpenAI streams);
+    - forced ``required`` and ``auto`` with a family syntax: the text is held to its end, then parsed
+      (a call list cannot be told from prose before it is whole); its calls go out as two deltas each;
+    - otherwise (``none``, ``auto`` without a syntax): plain text, streamed as always.
+    A reply cut by ``max_tokens`` before its calls are whole JSON stays text, finish ``length``.
+    """
+
+    def __init__(self, p: ToolPlan, syntax: str | None):
+        self.plan, self.syntax = p, syntax
+        self.names = {t["function"]["name"] for t in p.tools}
+        self.streams_text = p.choice == "none" or (p.choice == "auto" and syntax is None)
+        self.held: list[str] = []
+        self.id = call_id()
+        self.started = False
+
+    def message(self, text: str, finish: str | None) -> tuple[dict[str, Any], str | None]:
+        """The whole choice's message and finish_reason."""
+        calls = self._calls(text, finish)
+        if not calls:
+            return {"role": "assistant", "content": text}, finish
+        content = None
+        if self.plan.choice == "auto":
+            content, calls = parse_auto(self.syntax, text, self.names)
+        return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
+
+    def _calls(self, text: str, finish: str | None) -> list[dict[str, Any]]:
+        if finish != "stop" or self.streams_text:
+            return []
+        if self.plan.forced:
+            got = forced_calls(self.plan, text)
+            if got and self.plan.choice == "function":
+                got[0]["id"] = self.id
+            return got or []
+        return parse_auto(self.syntax, text, self.names)[1]
+
+    def delta(self, piece: str) -> list[dict[str, Any]]:
+        """The ``delta`` objects a released piece of text becomes (none while it is held)."""
+        if self.streams_text:
+            return [{"content": piece}]
+        if self.plan.choice != "function":
+            self.held.append(piece)
+            return []
+        self.held.append(piece)
+        out = []
+        if not self.started:
+            self.started = True
+            out.append({"tool_calls": [{"index": 0, "id": self.id, "type": "function",
+                                        "function": {"name": self.plan.function, "arguments": ""}}]})
+        if piece:
+            out.append({"tool_calls": [{"index": 0, "function": {"arguments": piece}}]})
+        return out
+
+    def close(self, finish: str | None) -> tuple[list[dict[str, Any]], str | None]:
+        """The deltas still owed at the end, and the finish_reason of the closing chunk."""
+        if self.streams_text:
+            return [], finish
+        text = "".join(self.held)
+        if self.plan.choice == "function":
+            if finish == "stop" and forced_calls(self.plan, text):
+                return ([] if self.started else self.delta("")), "tool_calls"
+            return [], finish  # cut short: the arguments already sent are all there is
+        msg, fin = self.message(text, finish)
+        if fin != "tool_calls":
+            return ([{"content": text}] if text else []), finish
+        out: list[dict[str, Any]] = [{"content": msg["content"]}] if msg.get("content") else []
+        for i, c in enumerate(msg["tool_calls"]):
+            out.append({"tool_calls": [{"index": i, "id": c["id"], "type": "function",
+                                        "function": {"name": c["function"]["name"], "arguments": ""}}]})
+            out.append({"tool_calls": [{"index": i, "function": {"arguments": c["function"]["arguments"]}}]})
+        return out, "tool_calls"
