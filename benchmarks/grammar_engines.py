@@ -208,10 +208,12 @@ def main() -> int:
                     failures.append(f"{sname}: EOS not allowed at the end")
         p50 = statistics.median(mask_ms) if mask_ms else float("nan")
         p99 = sorted(mask_ms)[int(0.99 * (len(mask_ms) - 1))] if mask_ms else float("nan")
-        line = (f"{name:14s} compile p50 {statistics.median(compile_ms) if compile_ms else float('nan'):8.1f} ms  "
-                f"max {max(compile_ms, default=float('nan')):8.1f} ms | mask p50 {p50:.3f} ms p99 {p99:.3f} ms "
-                f"mean {statistics.fmean(mask_ms) if mask_ms else float('nan'):.3f} ms ({p50 / base:.1e}x the lm_head row; mean {(statistics.fmean(mask_ms) if mask_ms else float('nan')) / base:.1e}x) | "
-                f"advance p50 {statistics.median(adv_ms) if adv_ms else float('nan'):.3f} ms | {len(mask_ms)} tokens, "
+        nan = float("nan")
+        mean = statistics.fmean(mask_ms) if mask_ms else nan
+        line = (f"{name:14s} compile p50 {statistics.median(compile_ms) if compile_ms else nan:8.1f} ms  "
+                f"max {max(compile_ms, default=nan):8.1f} ms | mask p50 {p50:.3f} ms p99 {p99:.3f} ms "
+                f"mean {mean:.3f} ms ({p50 / base:.1e}x the lm_head row; mean {mean / base:.1e}x) | "
+                f"advance p50 {statistics.median(adv_ms) if adv_ms else nan:.3f} ms | {len(mask_ms)} tokens, "
                 f"{len(failures)} failures")
         print(line, flush=True)
         lines.append(line)
