@@ -21,8 +21,9 @@ from sanic.response import HTTPResponse, json
 from larql_edge.errors import BadRequest, LarqlError
 from larql_edge.service import JSON_KIND, body_kind, json_object
 
-from . import api
+from . import api, tools
 from .scheduler import Event, Params, Seq, TokenInfo
+from .structured import response_format_schema
 
 bp = Blueprint("openai")
 
@@ -87,11 +88,19 @@ def _usage(n_prompt: int, n_gen: int) -> dict:
     return {"prompt_tokens": n_prompt, "completion_tokens": n_gen, "total_tokens": n_prompt + n_gen}
 
 
-async def _run(request: Request, c: api.Common, prompt_ids: list[int], chat: bool) -> HTTPResponse | None:
+async def _constraint(request: Request, schema: dict | None, param: str):
+    """The grammar of a structured reply (compiled in the compute thread: the first one indexes the vocabulary)."""
+    if schema is None:
+        return None
+    return await request.app.ctx.compute.run(request.app.ctx.grammars.json_schema, schema, param)
+
+
+async def _run(request: Request, c: api.Common, prompt_ids: list[int], chat: bool, constraint=None,
+               reply: tools.ToolReply | None = None) -> HTTPResponse | None:
     app = request.app
     served, sched = app.ctx.served, app.ctx.scheduler
     params = _params(served, c, len(prompt_ids), chat)
-    seq = Seq(prompt_ids, params, asyncio.get_running_loop())
+    seq = Seq(prompt_ids, params, asyncio.get_running_loop(), constraint=constraint)
     sched.admit(seq)  # 429 before any byte of a stream is sent
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     created = int(time.time())
@@ -113,6 +122,8 @@ async def _run(request: Request, c: api.Common, prompt_ids: list[int], chat: boo
             choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
             if chat:
                 choice["message"] = {"role": "assistant", "content": full}
+                if reply is not None:
+                    choice["message"], choice["finish_reason"] = reply.message(full, finish)
                 if c.logprobs is not None:
                     choice["logprobs"] = _chat_logprobs(infos)
             else:
@@ -148,7 +159,12 @@ async def _run(request: Request, c: api.Common, prompt_ids: list[int], chat: boo
                 break
             if ev.kind == "done":
                 if chat:
-                    await send({"index": 0, "delta": {}, "logprobs": None, "finish_reason": ev.finish_reason})
+                    finish = ev.finish_reason
+                    if reply is not None:
+                        owed, finish = reply.close(finish)
+                        for d in owed:
+                            await send({"index": 0, "delta": d, "logprobs": None, "finish_reason": None})
+                    await send({"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish})
                 else:
                     await send({"index": 0, "text": "", "logprobs": None, "finish_reason": ev.finish_reason})
                 if c.include_usage:
@@ -159,7 +175,8 @@ async def _run(request: Request, c: api.Common, prompt_ids: list[int], chat: boo
                 lp = _chat_logprobs(ev.tokens) if chat else _completion_logprobs(ev.tokens, offset)
             offset += len(ev.text)
             if chat:
-                await send({"index": 0, "delta": {"content": ev.text}, "logprobs": lp, "finish_reason": None})
+                for d in (reply.delta(ev.text) if reply is not None else [{"content": ev.text}]):
+                    await send({"index": 0, "delta": d, "logprobs": lp, "finish_reason": None})
             else:
                 await send({"index": 0, "text": ev.text, "logprobs": lp, "finish_reason": None})
         await response.send("data: [DONE]\n\n")
@@ -172,23 +189,36 @@ async def _run(request: Request, c: api.Common, prompt_ids: list[int], chat: boo
 @bp.post("/v1/completions", name="completions")
 async def completions(request: Request):
     served = request.app.ctx.served
-    c, prompt = api.completion_request(_body(request), served.model_id, served.names)
+    body = _body(request)
+    c, prompt = api.completion_request(body, served.model_id, served.names)
+    constraint = await _constraint(request, response_format_schema(body.get("response_format")),
+                                   "response_format.json_schema.schema")
     # Tokenizing a large prompt takes a while: off the event loop, in the app's compute thread.
     ids = await request.app.ctx.compute.run(_prompt_ids, served, prompt, False)
-    return await _run(request, c, ids, chat=False)
+    return await _run(request, c, ids, chat=False, constraint=constraint)
 
 
 @bp.post("/v1/chat/completions", name="chat_completions")
 async def chat_completions(request: Request):
     served = request.app.ctx.served
-    c, messages = api.chat_request(_body(request), served.model_id, served.names)
+    body = _body(request)
+    c, messages = api.chat_request(body, served.model_id, served.names)
+    plan = tools.plan(body.get("tools"), body.get("tool_choice"))
+    schema = response_format_schema(body.get("response_format"))
+    param = "response_format.json_schema.schema"
+    if plan is not None and plan.forced:
+        schema, param = plan.schema(), "tools"
+    constraint = await _constraint(request, schema, param)
     if served.chat_template is None:
         raise api.api_error(BadRequest, f"the model {served.model_id!r} has no chat template (its vindex has no "
                             "tokenizer_config.json chat_template): use /v1/completions, or start larql-serve with "
                             "--chat-template FILE", "messages", "no_chat_template")
     template = served.chat_template
+    reply = None if plan is None else tools.ToolReply(plan, tools.syntax_of(template.source))
 
     def prompt_ids() -> list[int]:  # rendering and tokenizing: off the event loop
-        return _prompt_ids(served, template.render(messages, add_generation_prompt=True), True)
+        text = template.render(messages, add_generation_prompt=True, tools=None if plan is None else plan.tools)
+        return _prompt_ids(served, text, True)
 
-    return await _run(request, c, await request.app.ctx.compute.run(prompt_ids), chat=True)
+    return await _run(request, c, await request.app.ctx.compute.run(prompt_ids), chat=True, constraint=constraint,
+                      reply=reply)
