@@ -14,14 +14,16 @@ def _obj(props: dict[str, Any]) -> dict[str, Any]:
     return {"type": "object", "properties": props, "required": list(props), "additionalProperties": False}
 
 
-S = {"type": "string"}
-I = {"type": "integer"}  # noqa: E741
-N = {"type": "number"}
+# Strings and numbers are bounded, as schemas meant for small models should be: unbounded, a 135M-270M
+# model decoding greedily may repeat inside one ("A.A.A.A...", "1234567890123...") until max_tokens.
+S = {"type": "string", "maxLength": 40}
+I = {"type": "integer", "minimum": -1000000, "maximum": 1000000}  # noqa: E741
+N = {"type": "number", "minimum": -1000000, "maximum": 1000000}
 B = {"type": "boolean"}
 
 # (name, schema, an instance that validates)
 SCHEMAS: list[tuple[str, dict[str, Any], Any]] = [
-    ("person", _obj({"name": S, "age": I}), {"name": "Ada", "age": 36}),
+    ("person", _obj({"name": S, "age": {"type": "integer", "minimum": 0, "maximum": 150}}), {"name": "Ada", "age": 36}),
     ("colour", _obj({"colour": {"type": "string", "enum": ["red", "green", "blue"]}}), {"colour": "green"}),
     ("flags", _obj({"done": B, "urgent": B}), {"done": False, "urgent": True}),
     ("tags", _obj({"tags": {"type": "array", "items": S, "minItems": 1, "maxItems": 4}}), {"tags": ["a", "b"]}),
@@ -35,7 +37,7 @@ SCHEMAS: list[tuple[str, dict[str, Any], Any]] = [
                     "total": N}),
      {"items": [{"sku": "A1", "qty": 2}], "total": 9.5}),
     ("status", _obj({"status": {"enum": ["ok", "error", "pending"]}, "code": I}), {"status": "ok", "code": 200}),
-    ("nullable", _obj({"note": {"type": ["string", "null"]}}), {"note": None}),
+    ("nullable", _obj({"note": {"type": ["string", "null"], "maxLength": 40}}), {"note": None}),
     ("matrix", _obj({"rows": {"type": "array", "maxItems": 3,
                               "items": {"type": "array", "items": I, "maxItems": 3}}}), {"rows": [[1, 2], [3]]}),
     ("event", _obj({"title": S, "day": {"type": "string", "enum": ["mon", "tue", "wed", "thu", "fri"]},
@@ -53,7 +55,7 @@ SCHEMAS: list[tuple[str, dict[str, Any], Any]] = [
     ("bools", {"type": "array", "items": B, "minItems": 2, "maxItems": 4}, [True, False]),
     ("tree", _obj({"label": S, "children": {"type": "array", "maxItems": 2, "items": _obj({"label": S, "leaf": B})}}),
      {"label": "root", "children": [{"label": "c", "leaf": True}]}),
-    ("contact", _obj({"email": {"type": "string", "maxLength": 40}, "phones": {"type": "array", "items": S, "maxItems": 2},
+    ("contact", _obj({"email": {"type": "string", "maxLength": 40}, "phones": {"type": "array", "items": {"type": "string", "pattern": "^[+0-9 ]{3,16}$"}, "maxItems": 2},
                       "primary": {"enum": ["email", "phone"]}}),
      {"email": "a@b.c", "phones": [], "primary": "email"}),
 ]
