@@ -41,8 +41,9 @@ sys.path.insert(0, str(ROOT))
 from larql_edge.format.layers import split_even  # noqa: E402
 from larql_edge.format.vindex import Vindex  # noqa: E402
 from larql_edge.model.forward import Transformer  # noqa: E402
-from larql_edge.roles.client._build import build_remote  # noqa: E402
 from larql_edge.net import h1_sync  # noqa: E402
+from larql_edge.net.remote import RemoteSettings  # noqa: E402
+from larql_edge.roles.client._build import build_remote  # noqa: E402
 from larql_edge.tools.grid.cli import role_vindexes  # noqa: E402
 from larql_edge.tools.grid.supervisor import Supervisor, pick_ports, role_env  # noqa: E402
 
@@ -101,8 +102,9 @@ def proxy_process(host: str, target_port: int, delay_ms: float, jitter_ms: float
         p.wait(10)
 
 
-def remote_args(url: str):
-    return argparse.Namespace(embed=None, ffn=url, ffn_f16=False, timeout=120.0, retries=2)
+def remote_args(url: str) -> RemoteSettings:
+    # direct=False: the proxy sits in front of the router; the direct path would go around it to the shards.
+    return RemoteSettings(ffn=url, timeout=120.0, retries=2, direct=False)
 
 
 def main() -> int:

@@ -18,6 +18,7 @@ from larql_edge.console import run_command
 from larql_edge.errors import LarqlError
 from larql_edge.roles.client._build import add_model_flags, build_model
 from larql_edge.roles.client._stream import TextStream
+from larql_edge.roles.client._timings import TokenTime, report
 
 
 def _common(p: argparse.ArgumentParser) -> Flags:
@@ -39,6 +40,10 @@ def build_parser() -> argparse.ArgumentParser:
     f.add("--max-tokens", type=int, default=32, help="at most this many new tokens")
     f.add("--temperature", type=float, default=0.0, help="0 = greedy; > 0 samples")
     f.add("--seed", type=int, default=None, help="sampling seed, for reproducible runs")
+    f.switch("--timings", help="after the text, where each decoded token's time went: per hop (embed, every layer, "
+             "logits) the server's compute and the network time, and the attention computed here (with --json: per token)")
+    f.add("--metrics-file", default=None, metavar="FILE", help="write the per-tier time split as Prometheus text "
+          "(larql_client_*) to FILE at the end (a node_exporter textfile collector reads it)")
     g.set_defaults(func=generate)
     return parser
 
@@ -76,27 +81,63 @@ def generate(args: argparse.Namespace) -> int:
         raise LarqlError("--max-tokens must be a positive integer")
     if not math.isfinite(args.temperature) or args.temperature < 0:
         raise LarqlError("--temperature must be a finite number >= 0")
-    model, tok = build_model(args)
+    from larql_edge.net.hops import HopLog
+
+    timed = args.timings or bool(args.metrics_file)
+    hops = HopLog() if timed else None
+    model, tok = build_model(args, hops)
     ids = _encode(tok, args.prompt)
     out: list[int] = []
     stream = TextStream(tok)
+    times: list[TokenTime] = []
     t0 = time.perf_counter()
     if not args.json:
         sys.stdout.write(args.prompt)
         sys.stdout.flush()
+    last, local = t0, model.local_s
     for t in model.generate(ids, args.max_tokens, args.temperature, args.seed):
+        if hops is not None:
+            now = time.perf_counter()
+            times.append(TokenTime(now - last, model.local_s - local, hops.drain()))
         out.append(t)
         if not args.json:
             sys.stdout.write(stream.push(t))
             sys.stdout.flush()
+        if hops is not None:
+            last, local = time.perf_counter(), model.local_s
     dt = time.perf_counter() - t0
+    hedger = getattr(model.ffn_provider, "hedger", None)
+    hedges = hedger.stats() if hedger is not None else None
+    if args.metrics_file:
+        _write_metrics(args.metrics_file, times, hedges)
     if args.json:
-        print(json.dumps({"prompt": args.prompt, "prompt_ids": ids, "generated_ids": out,
-                          "text": tok.decode(out), "seconds": round(dt, 3)}, ensure_ascii=False))
+        body = {"prompt": args.prompt, "prompt_ids": ids, "generated_ids": out, "text": tok.decode(out),
+                "seconds": round(dt, 3)}
+        if args.timings:
+            body["timings"] = {"tokens": [t.as_json() for t in times], "hedges": hedges}
+        print(json.dumps(body, ensure_ascii=False))
     else:
         sys.stdout.write(stream.flush() + "\n")
         print(f"[{len(out)} tokens in {dt:.2f}s, {len(out) / dt:.1f} tok/s]", file=sys.stderr)
+        if args.timings:
+            print(report(times, hedges), file=sys.stderr)
     return 0
+
+
+def _write_metrics(path: str, times: list[TokenTime], hedges: dict | None) -> None:
+    from larql_edge.service.metrics import HopMetrics, Metrics
+
+    m = Metrics("client")
+    hm = HopMetrics(m)
+    for t in times:
+        hm.record(t.hops, t.local_s)
+    if hedges:
+        hm.hedged(hedges["hedges_sent"], hedges["hedges_won"])
+    try:
+        with open(path, "wb") as f:
+            f.write(m.render())
+    except OSError as e:
+        raise LarqlError(f"--metrics-file {path}: {e.strerror or e}") from None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,6 +23,7 @@ MAX_STEP_TOKENS = 2048
 def build_parser():
     import argparse
 
+    from larql_edge.net.remote import add_path_flags
     from larql_edge.roles.serve.app import Limits
 
     d = Limits()
@@ -48,6 +49,7 @@ def build_parser():
           help="the model's name in /v1/models and in requests (default: the vindex's model name, always accepted too)")
     f.add("--timeout", type=float, default=60.0, help="seconds to wait for one grid reply")
     f.add("--retries", type=int, default=10, help="attempts beyond the first for a failed grid request (fail-over)")
+    add_path_flags(f)
     add_server_flags(f, port=8000)
     return p
 
@@ -68,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--step-tokens must be at most {MAX_STEP_TOKENS}")
     pin_blas(args.blas_threads)
     from larql_edge.format.vindex import Vindex
+    from larql_edge.net.remote import RemoteSettings
     from larql_edge.roles.serve.app import (
         Limits,
         create_app,
@@ -81,7 +84,8 @@ def main(argv: list[str] | None = None) -> int:
         mc = vx.index.model_config
         model_ctx = (mc.max_position_embeddings if mc is not None else None) or Limits().context
         context = args.context or min(model_ctx, Limits().context)
-        engine = remote_engine(vx, args.ffn, args.embed, args.timeout, args.retries)
+        engine = remote_engine(vx, RemoteSettings(ffn=args.ffn, embed=args.embed, timeout=args.timeout, retries=args.retries,
+                                                  direct=args.direct, hedge=args.hedge, hedge_budget=args.hedge_budget))
         limits = effective_limits(Limits(args.max_active, args.max_queue, context, args.kv_memory_mb << 20,
                                          args.step_tokens), engine.spec)
         if limits.max_active < 1:
@@ -96,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     log.info("larql-serve: %s, context %d, %d active + %d queued, chat template %s; grid %s; listening on http://%s:%d",
              served.model_id, context, limits.max_active, limits.max_queue,
              "yes" if served.chat_template else "none", args.ffn, args.host, args.port)
-    serve(lambda: create_app(engine, served, limits), args.host, args.port, access_log=args.access_log)
+    serve(lambda: create_app(engine, served, limits), args.host, args.port, access_log=args.access_log,
+          drain=args.drain_seconds)
     return 0
 
 
