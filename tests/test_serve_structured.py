@@ -125,6 +125,9 @@ def test_tool_plans_and_their_errors():
     assert p is not None and p.forced and p.schema() == TIME["function"]["parameters"]
     r = tools.plan([WEATHER, TIME], "required")
     assert r is not None and r.schema()["type"] == "array" and len(r.schema()["items"]["anyOf"]) == 2
+    assert "maxItems" not in r.schema() and tools.plan([WEATHER], "required", False).schema()["maxItems"] == 1  # type: ignore[union-attr]
+    with pytest.raises(BadRequest):
+        tools.plan([WEATHER], "required", "no")
     cases = [(None, "required", "tool_choice"), ([], None, "tools"), ([{"type": "x"}], None, "tools[0]"),
              ([{"type": "function", "function": {"name": "a b"}}], None, "tools[0].function.name"),
              ([WEATHER, WEATHER], None, "tools[1].function.name"),

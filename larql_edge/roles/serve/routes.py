@@ -208,7 +208,7 @@ async def chat_completions(request: Request):
     served = request.app.ctx.served
     body = _body(request)
     c, messages = api.chat_request(body, served.model_id, served.names)
-    plan = tools.plan(body.get("tools"), body.get("tool_choice"))
+    plan = tools.plan(body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls"))
     schema = response_format_schema(body.get("response_format"))
     param = "response_format.json_schema.schema"
     if plan is not None and plan.forced:

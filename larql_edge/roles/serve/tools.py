@@ -38,6 +38,7 @@ class ToolPlan:
     tools: list[dict[str, Any]]  # as the request gave them (for the template)
     choice: str  # "none" | "auto" | "required" | "function"
     function: str | None = None  # the named function's name
+    parallel: bool = True  # parallel_tool_calls: false holds ``required`` to one call
 
     @property
     def forced(self) -> bool:
@@ -58,12 +59,16 @@ class ToolPlan:
             calls = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]},
                                                        "parameters": self.parameters(t["function"]["name"])},
                       "required": ["name", "parameters"], "additionalProperties": False} for t in self.tools]
-            return {"type": "array", "minItems": 1, "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
+            return {"type": "array", "minItems": 1, **({} if self.parallel else {"maxItems": 1}),
+                    "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
         return None
 
 
-def plan(tools: Any, tool_choice: Any) -> ToolPlan | None:
+def plan(tools: Any, tool_choice: Any, parallel_tool_calls: Any = None) -> ToolPlan | None:
     """Check ``tools`` and ``tool_choice`` (400 naming the field at fault); None when there are no tools."""
+    if parallel_tool_calls is not None and type(parallel_tool_calls) is not bool:
+        raise _bad("parallel_tool_calls must be a boolean", "parallel_tool_calls", "invalid_type")
+    parallel = parallel_tool_calls is not False
     if tools is None:
         if tool_choice not in (None, "none"):
             raise _bad("tool_choice needs tools", "tool_choice")
@@ -92,15 +97,15 @@ def plan(tools: Any, tool_choice: Any) -> ToolPlan | None:
         if f.get("strict") is not None and type(f["strict"]) is not bool:
             raise _bad(f"{where}.function.strict must be a boolean", f"{where}.function.strict", "invalid_type")
     if tool_choice is None or tool_choice == "auto":
-        return ToolPlan(tools, "auto")
+        return ToolPlan(tools, "auto", parallel=parallel)
     if tool_choice in ("none", "required"):
-        return ToolPlan(tools, tool_choice)
+        return ToolPlan(tools, tool_choice, parallel=parallel)
     if isinstance(tool_choice, dict) and tool_choice.get("type") == "function" and isinstance(tool_choice.get("function"), dict):
         name = tool_choice["function"].get("name")
         if name not in names:
             raise _bad(f"tool_choice names the function {str(name)[:64]!r}, which is not among the tools",
                        "tool_choice.function.name")
-        return ToolPlan(tools, "function", name)
+        return ToolPlan(tools, "function", name, parallel)
     raise _bad('tool_choice must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}',
                "tool_choice")
 
