@@ -55,7 +55,8 @@ SCHEMAS: list[tuple[str, dict[str, Any], Any]] = [
     ("bools", {"type": "array", "items": B, "minItems": 2, "maxItems": 4}, [True, False]),
     ("tree", _obj({"label": S, "children": {"type": "array", "maxItems": 2, "items": _obj({"label": S, "leaf": B})}}),
      {"label": "root", "children": [{"label": "c", "leaf": True}]}),
-    ("contact", _obj({"email": {"type": "string", "maxLength": 40}, "phones": {"type": "array", "items": {"type": "string", "pattern": "^[+0-9 ]{3,16}$"}, "maxItems": 2},
+    ("contact", _obj({"email": {"type": "string", "maxLength": 40},
+                      "phones": {"type": "array", "items": {"type": "string", "pattern": "^[+0-9 ]{3,16}$"}, "maxItems": 2},
                       "primary": {"enum": ["email", "phone"]}}),
      {"email": "a@b.c", "phones": [], "primary": "email"}),
 ]

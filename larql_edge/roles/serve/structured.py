@@ -23,7 +23,7 @@ import numpy as np
 from larql_edge.errors import BadRequest
 from larql_edge.wire.embed import mask_words
 
-JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+JSON_STYLE: Any = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 ANY_OBJECT: dict[str, Any] = {"type": "object"}  # response_format json_object: any JSON object
 
 
@@ -63,7 +63,7 @@ class Grammars:
 
     def __init__(self, tokenizer, vocab: int, eos_ids: Sequence[int]):
         self._tokenizer, self.vocab, self.eos = tokenizer, vocab, list(eos_ids)
-        self._lltok = None
+        self._lltok: Any = None
         self._lock = threading.Lock()
 
     def _llg_tokenizer(self):
