@@ -16,7 +16,7 @@ def _obj(props: dict[str, Any]) -> dict[str, Any]:
 
 # Strings and numbers are bounded, as schemas meant for small models should be: unbounded, a 135M-270M
 # model decoding greedily may repeat inside one ("A.A.A.A...", "1234567890123...") until max_tokens.
-S = {"type": "string", "maxLength": 40}
+S = {"type": "string", "maxLength": 24}
 I = {"type": "integer", "minimum": -1000000, "maximum": 1000000}  # noqa: E741
 N = {"type": "number", "minimum": -1000000, "maximum": 1000000}
 B = {"type": "boolean"}
@@ -32,22 +32,23 @@ SCHEMAS: list[tuple[str, dict[str, Any], Any]] = [
      {"street": "1 Main St", "city": "Springfield", "zip": "12345"}),
     ("nested", _obj({"user": _obj({"id": I, "profile": _obj({"nick": S, "verified": B})})}),
      {"user": {"id": 7, "profile": {"nick": "z", "verified": True}}}),
-    ("order", _obj({"items": {"type": "array", "maxItems": 3,
-                              "items": _obj({"sku": S, "qty": {"type": "integer", "minimum": 1, "maximum": 99}})},
+    ("order", _obj({"items": {"type": "array", "maxItems": 2,
+                              "items": _obj({"sku": {"type": "string", "pattern": "^[A-Z0-9]{1,8}$"},
+                                             "qty": {"type": "integer", "minimum": 1, "maximum": 99}})},
                     "total": N}),
      {"items": [{"sku": "A1", "qty": 2}], "total": 9.5}),
     ("status", _obj({"status": {"enum": ["ok", "error", "pending"]}, "code": I}), {"status": "ok", "code": 200}),
-    ("nullable", _obj({"note": {"type": ["string", "null"], "maxLength": 40}}), {"note": None}),
+    ("nullable", _obj({"note": {"type": ["string", "null"], "maxLength": 24}}), {"note": None}),
     ("matrix", _obj({"rows": {"type": "array", "maxItems": 3,
                               "items": {"type": "array", "items": I, "maxItems": 3}}}), {"rows": [[1, 2], [3]]}),
     ("event", _obj({"title": S, "day": {"type": "string", "enum": ["mon", "tue", "wed", "thu", "fri"]},
-                    "attendees": {"type": "array", "items": S, "maxItems": 5}}),
+                    "attendees": {"type": "array", "items": S, "maxItems": 3}}),
      {"title": "standup", "day": "mon", "attendees": ["x"]}),
     ("rating", _obj({"stars": {"type": "integer", "minimum": 1, "maximum": 5}, "comment": S}),
      {"stars": 4, "comment": "good"}),
     ("const", _obj({"kind": {"const": "reply"}, "text": S}), {"kind": "reply", "text": "hi"}),
     ("choice", _obj({"answer": {"anyOf": [I, {"type": "string", "enum": ["unknown"]}]}}), {"answer": "unknown"}),
-    ("book", _obj({"title": S, "authors": {"type": "array", "items": _obj({"first": S, "last": S}), "maxItems": 3},
+    ("book", _obj({"title": S, "authors": {"type": "array", "items": _obj({"first": S, "last": S}), "maxItems": 2},
                    "year": I, "in_print": B}),
      {"title": "T", "authors": [{"first": "A", "last": "B"}], "year": 1999, "in_print": False}),
     ("weather", _obj({"city": S, "unit": {"enum": ["celsius", "fahrenheit"]}, "temperature": N}),
@@ -55,7 +56,7 @@ SCHEMAS: list[tuple[str, dict[str, Any], Any]] = [
     ("bools", {"type": "array", "items": B, "minItems": 2, "maxItems": 4}, [True, False]),
     ("tree", _obj({"label": S, "children": {"type": "array", "maxItems": 2, "items": _obj({"label": S, "leaf": B})}}),
      {"label": "root", "children": [{"label": "c", "leaf": True}]}),
-    ("contact", _obj({"email": {"type": "string", "maxLength": 40},
+    ("contact", _obj({"email": {"type": "string", "maxLength": 32},
                       "phones": {"type": "array", "items": {"type": "string", "pattern": "^[+0-9 ]{3,16}$"}, "maxItems": 2},
                       "primary": {"enum": ["email", "phone"]}}),
      {"email": "a@b.c", "phones": [], "primary": "email"}),
