@@ -58,7 +58,7 @@ def test_the_valid_instance_is_allowed_token_by_token(tokenizer, grammars, name,
     c = grammars.json_schema(schema, "response_format")
     for t in tokenizer.encode(json.dumps(instance)).ids:
         mask = c.mask()
-        assert mask.shape == (mask_words(grammars.vocab),)
+        assert mask is not None and mask.shape == (mask_words(grammars.vocab),)
         assert allowed_tokens(mask, grammars.vocab)[t], (name, tokenizer.decode([t]))
         c.accept(t)
     assert allowed_tokens(c.mask(), grammars.vocab)[grammars.eos[0]] or c.complete
@@ -66,7 +66,9 @@ def test_the_valid_instance_is_allowed_token_by_token(tokenizer, grammars, name,
 
 def test_a_mask_refuses_what_breaks_the_schema(tokenizer, grammars):
     c = grammars.json_schema(dict(SCHEMAS[1][1]), "response_format")  # {"colour": enum}
-    allowed = allowed_tokens(c.mask(), grammars.vocab)
+    mask = c.mask()
+    assert mask is not None
+    allowed = allowed_tokens(mask, grammars.vocab)
     assert not allowed[tokenizer.token_to_id("<eos>")]  # nothing yet: the end is not allowed
     assert allowed.sum() < grammars.vocab / 4
     assert not allowed[grammars.vocab - 1]  # padding rows beyond the tokenizer: never
@@ -81,6 +83,16 @@ def test_random_walks_through_the_masks_give_valid_json(tokenizer, grammars, see
     text = tokenizer.decode(ids)
     if c.complete or allowed_tokens(c.mask(), grammars.vocab)[grammars.eos[0]]:
         jsonschema.validate(json.loads(text), schema)
+
+
+def test_a_grammar_that_allows_nothing_more_says_so(tokenizer, grammars):
+    c = grammars.json_schema({"type": "boolean"}, "x")
+    for t in tokenizer.encode("true").ids:
+        c.accept(t)
+    assert c.complete and c.mask() is not None and c.error is None  # the end (EOS) is still allowed
+    with pytest.raises(RuntimeError):
+        c.accept(tokenizer.encode("z").ids[0])  # a token the mask refused: the matcher's error state
+    assert c.mask() is None and c.error and "no next token" in c.error
 
 
 def test_unusable_schemas_are_a_400_naming_the_field(grammars):

@@ -277,6 +277,10 @@ class Scheduler:
                 self._accept(s, *top)
 
     def _accept(self, s: Seq, ids: np.ndarray, lps: np.ndarray) -> None:
+        if s.constraint is not None and s.constraint.error is not None:
+            log.error("sequence %d: %s", s.id, s.constraint.error)
+            self._finish(s, None, RuntimeError(s.constraint.error))
+            return
         tok = sample(ids, lps, s.params, s.rng)
         now = time.perf_counter()
         if s.t_first is None:

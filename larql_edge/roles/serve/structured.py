@@ -40,10 +40,17 @@ class Constraint:
     def __init__(self, matcher, words: int):
         self.matcher = matcher
         self.words = words
+        self.error: str | None = None  # set when the grammar allows nothing more (a bug): the sequence fails
 
-    def mask(self) -> np.ndarray:
+    def mask(self) -> np.ndarray | None:
+        """The allowed next tokens; None (and `error` set) when none is: that row then goes unmasked, and
+        the scheduler fails its sequence alone rather than the embed server the whole step."""
         out = np.zeros(self.words, dtype=np.int32)
-        self.matcher.unsafe_compute_mask_ptr(out.ctypes.data, out.nbytes)
+        if not self.matcher.is_error():
+            self.matcher.unsafe_compute_mask_ptr(out.ctypes.data, out.nbytes)
+        if self.matcher.is_error() or not out.any():
+            self.error = f"the grammar allows no next token ({self.matcher.get_error() or 'empty mask'})"
+            return None
         return out
 
     def accept(self, token: int) -> None:
