@@ -154,7 +154,7 @@ def decode_logits_masked_rows_request(body: bytes, rows: int, hidden: int, maske
 def allowed_tokens(masks: np.ndarray, vocab: int) -> np.ndarray:
     """Bitmasks ``[m, words]`` -> booleans ``[m, vocab]`` (bits beyond the vocabulary ignored)."""
     m = np.ascontiguousarray(masks).view(np.uint8)
-    return np.unpackbits(m, axis=-1, bitorder="little")[..., :vocab].astype(bool)
+    return np.unpackbits(m, axis=-1, bitorder="little")[..., :vocab].view(bool)  # 0/1 bytes: a view, no copy
 
 
 def encode_logits_response(logits: np.ndarray) -> bytes:

@@ -80,9 +80,10 @@ def _raw(temperature: float, row: np.ndarray) -> bytes:
 def _apply_masks(block: np.ndarray, masked: tuple[int, ...], allowed: np.ndarray | None) -> np.ndarray:
     if not masked or allowed is None:
         return block
-    out = np.array(block, dtype=np.float32, copy=True)
-    idx = list(masked)
-    out[idx] = np.where(allowed, out[idx], np.float32(-np.inf))
+    # In place: the block is this request's own rows of the batch's fresh product.
+    out = block if block.flags.writeable else np.array(block, dtype=np.float32)
+    for r, ok in zip(masked, allowed, strict=True):
+        np.copyto(out[r], np.float32(-np.inf), where=~ok)
     return out
 
 
