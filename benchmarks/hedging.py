@@ -135,6 +135,7 @@ def main() -> int:
                  "out": out}
             if ffn.hedger is not None:
                 ffn.hedger.close()
+            print(f"  ({name}: p99 {r['p99']:.1f} ms, {r['sent']} hedges)", file=sys.stderr, flush=True)
             return r
 
         base = run("no slow replica, hedging on", True, None)

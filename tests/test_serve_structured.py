@@ -103,6 +103,16 @@ def test_unusable_schemas_are_a_400_naming_the_field(grammars):
         grammars.json_schema({"type": "no-such-type"}, "x")
 
 
+def test_a_tokenizer_the_engine_cannot_index_is_a_400_naming_the_field():
+    from tokenizers import Tokenizer, models
+
+    g = Grammars(Tokenizer(models.WordPiece({"[UNK]": 0, "a": 1}, unk_token="[UNK]")), 2, [0])
+    for param, field in (("response_format.json_schema.schema", "response_format"), ("tools", "tool_choice")):
+        with pytest.raises(BadRequest) as e:
+            g.json_schema({"type": "object"}, param)
+        assert e.value.param == field and e.value.code == "unsupported_value"  # type: ignore[attr-defined]
+
+
 def test_response_format_forms():
     assert response_format_schema(None) is None
     assert response_format_schema({"type": "text"}) is None

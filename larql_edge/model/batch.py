@@ -28,6 +28,7 @@ import numpy as np
 from larql_edge.model import ops
 from larql_edge.model.backend import Backend
 from larql_edge.model.forward import EmbedProvider, FfnProvider, project_qkv
+from larql_edge.model.head import top_k_logprobs
 from larql_edge.model.spec import ModelSpec
 from larql_edge.model.weights import AttentionLayer
 from larql_edge.wire.embed import allowed_tokens
@@ -55,13 +56,12 @@ class LocalTopK:
         out = []
         for i, row in enumerate(logits):
             mask = masks[i] if masks is not None else None
-            if mask is not None:
-                row = np.where(allowed_tokens(mask, row.size), row, np.float32(-np.inf))
-            lp = ops.log_softmax(row)
-            kk = min(k, int(np.isfinite(lp).sum()) if mask is not None else lp.size)
-            idx = np.argpartition(-lp, kk - 1)[:kk]
-            idx = idx[np.lexsort((idx, -lp[idx]))]
-            out.append((idx.astype(np.int64), lp[idx].astype(np.float64)))
+            if mask is None:
+                out.append(top_k_logprobs(row, k))
+                continue
+            ids, lps = top_k_logprobs(np.where(allowed_tokens(mask, row.size), row, np.float32(-np.inf)), k)
+            keep = np.isfinite(lps)  # fewer allowed tokens than k: only those
+            out.append((ids[keep], lps[keep]))
         return out
 
 

@@ -26,9 +26,10 @@ from larql_edge.errors import RemoteError, WireError
 from larql_edge.format.layers import gaps
 from larql_edge.net.direct import DirectPath
 from larql_edge.net.failures import is_caller_mistake, is_success
-from larql_edge.net.h1 import Reply, TransportError, describe, error_text
+from larql_edge.net.h1 import ConnectFailed, Reply, TransportError, describe, error_text
 from larql_edge.net.h1_sync import HttpClient
 from larql_edge.net.hops import Hedger, Hop, HopLog, server_seconds
+from larql_edge.wire import VINDEX_HEADER
 from larql_edge.wire import embed as embed_wire
 from larql_edge.wire import ffn as ffn_wire
 from larql_edge.wire.grid import Target, parse_targets
@@ -47,7 +48,12 @@ class Replicas:
     """
 
     def __init__(self, client: HttpClient, retries: int = 4, backoff: float = BACKOFF_FIRST_S, what: str = "server",
-                 hops: HopLog | None = None):
+                 hops: HopLog | None = None, on_retry: Callable[[str], None] | None = None,
+                 refused_first_is_fatal: bool = False):
+        """``on_retry`` gets a line before each wait (a command line shows it: retries can take ~15 s).
+        ``refused_first_is_fatal``: when no replica has ever answered and every one refuses the
+        connection (nothing listens: the grid is not up), fail at once instead of retrying for
+        seconds; once one has answered, a refusal is a restart and is retried as usual."""
         self.client = client
         self.retries = max(0, retries)
         self.backoff = backoff
@@ -55,6 +61,9 @@ class Replicas:
         self.hops = hops  # where answered hops are logged (timings), if anywhere
         self.on_success: Callable[[str, float], None] | None = None  # (url, seconds): the direct path learns speeds
         self.on_failure: Callable[[str], None] | None = None
+        self.on_retry = on_retry
+        self.refused_first_is_fatal = refused_first_is_fatal
+        self.answered = False
         self._preferred: dict[tuple[str, ...], str] = {}
         self.failovers = 0
 
@@ -71,6 +80,7 @@ class Replicas:
             order.remove(first)
             order.insert(0, first)
         reasons: list[str] = []
+        refused: set[str] = set()
         delay = self.backoff
         for attempt in range(self.retries + 1):
             url = order[attempt % len(order)]
@@ -79,6 +89,11 @@ class Replicas:
                 r = self.client.request(method, url + path, content=content, headers=headers)
             except TransportError as e:
                 reasons.append(f"{url}: {describe(e)}")
+                if isinstance(e, ConnectFailed):
+                    refused.add(url)
+                    if self.refused_first_is_fatal and not self.answered and refused >= set(order):
+                        raise RemoteError(f"{self.what}{about}: nothing answers at {', '.join(order)} "
+                                          "(connection refused or unreachable): is it running?") from None
             else:
                 if is_success(r.status_code):
                     try:
@@ -87,6 +102,7 @@ class Replicas:
                         reasons.append(f"{url}: unusable reply ({e})")
                     else:
                         self._preferred[key] = url
+                        self.answered = True
                         wall = time.perf_counter() - t0
                         if self.hops is not None and hop is not None:
                             self.hops.add(Hop(hop[0], hop[1], url, wall, server_seconds(r)))
@@ -101,6 +117,9 @@ class Replicas:
             if self.on_failure is not None:
                 self.on_failure(url)
             if attempt < self.retries:
+                if self.on_retry is not None:
+                    self.on_retry(f"{self.what}{about}: {reasons[-1]}; retrying in {delay:.1f}s "
+                                  f"(attempt {attempt + 2} of {self.retries + 1})")
                 time.sleep(delay)
                 delay = min(delay * 2, BACKOFF_MAX_S)
         raise RemoteError(f"{self.what}{about}: no replica answered after {self.retries + 1} attempts: "
@@ -256,6 +275,7 @@ class RemoteFfn:
                         "accept": ffn_wire.CONTENT_TYPE_F16 if f16 else ffn_wire.CONTENT_TYPE}
         self.seconds = 0.0  # time spent in FFN round trips (benchmarks read it)
         self.calls = 0
+        self.identity: dict[int, str] = {}  # layer -> the vindex that first answered it (X-Larql-Vindex)
 
     def missing_layers(self) -> list[int]:
         return [layer for layer, urls in self._urls.items() if not urls]
@@ -271,6 +291,14 @@ class RemoteFfn:
             got, out, _ = ffn_wire.decode_response(r.content, self.hidden, f16=f16)
             if got != layer or out.shape != x2.shape:
                 raise RemoteError(f"the reply is for layer {got} with shape {list(out.shape)}")
+            if not np.isfinite(out).all():  # damaged weights: that replica's failure, the next one is tried
+                raise RemoteError(f"non-finite values in the layer {layer} reply")
+            ident = r.headers.get(VINDEX_HEADER)
+            if ident:  # one model: every token's layer answered by the same build (replicas of another are refused)
+                first = self.identity.setdefault(layer, ident)
+                if ident != first:
+                    raise RemoteError(f"layer {layer} answered from vindex {ident}, earlier from {first}: "
+                                      "refusing to mix two builds of the model")
             return out
 
         body = ffn_wire.encode_request(layer, x)
@@ -340,9 +368,11 @@ class RemoteTiers:
 
 
 def build_tiers(s: RemoteSettings, hidden: int, num_layers: int, vocab: int,
-                notice: Callable[[str], None] | None = None, hops: HopLog | None = None) -> RemoteTiers:
+                notice: Callable[[str], None] | None = None, hops: HopLog | None = None,
+                on_retry: Callable[[str], None] | None = None, refused_first_is_fatal: bool = False) -> RemoteTiers:
     """The remote providers of the forward pass, with one keep-alive client for all three tiers;
-    every way the targets fail to cover the model is a `RemoteError` saying which flag to fix."""
+    every way the targets fail to cover the model is a `RemoteError` saying which flag to fix.
+    ``on_retry``, ``refused_first_is_fatal``: as `Replicas` (a command line sets both)."""
     check_settings(s)
     client = make_client(s.timeout)
     ffn_targets = parse_targets(s.ffn, "--ffn") if s.ffn else []
@@ -354,13 +384,15 @@ def build_tiers(s: RemoteSettings, hidden: int, num_layers: int, vocab: int,
     path.hops = hops
     if ffn_targets:
         hedger = Hedger(lambda: make_client(s.timeout), s.hedge_budget) if s.hedge and s.direct else None
-        ffn = RemoteFfn(Replicas(client, s.retries, what="FFN", hops=hops), ffn_targets, hidden, num_layers,
+        ffn = RemoteFfn(Replicas(client, s.retries, what="FFN", hops=hops, on_retry=on_retry,
+                                 refused_first_is_fatal=refused_first_is_fatal), ffn_targets, hidden, num_layers,
                         f16=s.ffn_f16, path=path, hedger=hedger)
         missing = ffn.missing_layers()
         if missing:
             holes = ", ".join(str(g) for g in gaps(set(range(num_layers)) - set(missing), num_layers))
             raise RemoteError(f"no --ffn target serves layers {holes} (the model has {num_layers} layers)")
-    replicas = Replicas(client, s.retries, what="embed server", hops=hops)
+    replicas = Replicas(client, s.retries, what="embed server", hops=hops, on_retry=on_retry,
+                        refused_first_is_fatal=refused_first_is_fatal)
     # --embed given: those servers, as given. Else the routers' embed servers first (direct path).
     epath = path if path.enabled and not s.embed else None
     if epath is not None:

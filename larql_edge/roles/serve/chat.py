@@ -1,5 +1,6 @@
 """The chat template: the model's own (``tokenizer_config.json`` in the vindex, as the extractor writes
-it from GGUF ``tokenizer.chat_template`` or a Hugging Face folder), or ``--chat-template FILE``.
+it from GGUF ``tokenizer.chat_template`` or a Hugging Face folder), or ``--chat-template FILE``, else
+its family's built-in one (`chat_defaults`).
 
 Rendered as Hugging Face transformers renders it (``apply_chat_template``): a sandboxed, immutable
 Jinja2 environment with ``trim_blocks``/``lstrip_blocks``, ``raise_exception``, and the variables
@@ -29,6 +30,7 @@ class ChatTemplate:
     bos_token: str | None = None
     eos_token: str | None = None
     origin: str = ""
+    end_of_turn: str | None = None  # a built-in template's turn end, which replies also stop at
 
     def __post_init__(self) -> None:
         from jinja2.exceptions import TemplateError
@@ -64,8 +66,9 @@ def _token_text(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def load_chat_template(vindex: Path, override: str | None) -> ChatTemplate | None:
-    """``override`` (a file path) wins; else the vindex's tokenizer_config.json; else None."""
+def load_chat_template(vindex: Path, override: str | None, tokenizer=None, family: str = "") -> ChatTemplate | None:
+    """``override`` (a file path) wins; else the vindex's tokenizer_config.json; else the built-in
+    template of ``family`` when ``tokenizer`` has its tokens; else None."""
     cfg: dict[str, Any] = {}
     cfg_path = Path(vindex) / "tokenizer_config.json"
     if cfg_path.is_file():
@@ -87,7 +90,13 @@ def load_chat_template(vindex: Path, override: str | None) -> ChatTemplate | Non
         named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
         source = named.get("default") or next(iter(named.values()), None)
     if not isinstance(source, str) or not source.strip():
-        return None
+        from .chat_defaults import default_chat
+
+        builtin = default_chat(family, tokenizer) if tokenizer is not None else None
+        if builtin is None:
+            return None
+        return ChatTemplate(builtin.source, bos, eos, origin=f"built-in {builtin.name} template",
+                            end_of_turn=builtin.end_of_turn)
     return ChatTemplate(source, bos, eos, origin=str(cfg_path))
 
 

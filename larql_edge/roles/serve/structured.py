@@ -27,10 +27,10 @@ JSON_STYLE: Any = {"whitespace_flexible": False, "item_separator": ", ", "key_se
 ANY_OBJECT: dict[str, Any] = {"type": "object"}  # response_format json_object: any JSON object
 
 
-def _bad(message: str, param: str) -> BadRequest:
+def _bad(message: str, param: str, code: str = "invalid_value") -> BadRequest:
     e = BadRequest(message)
     e.param = param  # type: ignore[attr-defined]
-    e.code = "invalid_value"  # type: ignore[attr-defined]
+    e.code = code  # type: ignore[attr-defined]
     return e
 
 
@@ -53,6 +53,10 @@ class Constraint:
             return None
         return out
 
+    def copy(self) -> Constraint:
+        """The same grammar at the same point, for another sequence (n > 1): compiled once."""
+        return Constraint(self.matcher.deep_copy(), self.words)
+
     def accept(self, token: int) -> None:
         """Feed the sampled token (always one the mask allowed)."""
         if not self.matcher.consume_token(token):
@@ -73,13 +77,20 @@ class Grammars:
         self._lltok: Any = None
         self._lock = threading.Lock()
 
-    def _llg_tokenizer(self):
+    def _llg_tokenizer(self, param: str):
         with self._lock:
             if self._lltok is None:
                 import llguidance
 
-                self._lltok = llguidance.LLTokenizer(self._tokenizer.to_str(), n_vocab=self.vocab,
-                                                     eos_token=self.eos or None)
+                try:
+                    self._lltok = llguidance.LLTokenizer(self._tokenizer.to_str(), n_vocab=self.vocab,
+                                                         eos_token=self.eos or None)
+                except (ValueError, RuntimeError) as e:  # a tokenizer the engine cannot index (WordPiece...)
+                    self._lltok = f"this model's tokenizer cannot carry a grammar ({e})"
+            if isinstance(self._lltok, str):
+                field = "response_format" if param.startswith("response_format") else "tool_choice"
+                raise _bad(f"{field}: structured output is not available here: {self._lltok}", field,
+                           "unsupported_value")
             return self._lltok
 
     def json_schema(self, schema: dict[str, Any], param: str) -> Constraint:
@@ -96,7 +107,7 @@ class Grammars:
     def _matcher(self, grammar: str, param: str) -> Constraint:
         import llguidance
 
-        tok = self._llg_tokenizer()
+        tok = self._llg_tokenizer(param)
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tok)
         if is_error:
             raise _bad(f"{param}: the schema cannot be enforced: {messages[0][:300]}", param)

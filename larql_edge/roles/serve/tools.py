@@ -70,7 +70,7 @@ def plan(tools: Any, tool_choice: Any, parallel_tool_calls: Any = None) -> ToolP
         raise _bad("parallel_tool_calls must be a boolean", "parallel_tool_calls", "invalid_type")
     parallel = parallel_tool_calls is not False
     if tools is None:
-        if tool_choice not in (None, "none"):
+        if tool_choice not in (None, "none", "auto"):  # nothing to require or name without tools
             raise _bad("tool_choice needs tools", "tool_choice")
         return None
     if not isinstance(tools, list) or not tools:
