@@ -19,7 +19,8 @@ from larql_edge.format.vindex import Vindex
 from larql_edge.testing.schemas import PROMPTS, SCHEMAS
 from tests._grid import Procs, start_grid
 
-pytestmark = [pytest.mark.real_model, pytest.mark.multiprocess]
+# A 20-schema round is minutes of decoding on a shared 2-core machine: beyond the suite's 900 s default.
+pytestmark = [pytest.mark.real_model, pytest.mark.multiprocess, pytest.mark.timeout(3600)]
 
 # Gemma 3's instruction format (its packaged GGUF carries no chat template); tools are listed the way a
 # template that knows no tool syntax would see them: not at all (they still constrain the forced calls).

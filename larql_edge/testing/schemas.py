@@ -18,7 +18,7 @@ def _obj(props: dict[str, Any]) -> dict[str, Any]:
 # model decoding greedily may repeat inside one ("A.A.A.A...", "1234567890123...") until max_tokens.
 S = {"type": "string", "maxLength": 24}
 I = {"type": "integer", "minimum": -1000000, "maximum": 1000000}  # noqa: E741
-N = {"type": "number", "minimum": -1000000, "maximum": 1000000}
+N = {"type": "number", "minimum": -1000000, "maximum": 1000000, "multipleOf": 0.01}  # bounded decimals too
 B = {"type": "boolean"}
 
 # (name, schema, an instance that validates)
