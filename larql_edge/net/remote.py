@@ -215,14 +215,19 @@ class RemoteHead:
         return self.replicas.request(self._urls(), "POST", "/v1/logits", content=body,
                                      headers={"content-type": "application/json"}, decode=decode, hop=("logits", None))
 
-    def top_k_rows(self, h: np.ndarray, k: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    def top_k_rows(self, h: np.ndarray, k: int,
+                   masks: Sequence[np.ndarray | None] | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
         """The top ``k`` (ids, log-probabilities at temperature 1) of every row, in ONE request: the
         embed server's many-rows form (binary ``?rows=N``, answered as top-k JSON per row), which its
-        batcher multiplies as one lm_head product. larql-serve's head: one request per decode step."""
+        batcher multiplies as one lm_head product. larql-serve's head: one request per decode step.
+        ``masks`` (per row None or a token bitmask) go with the rows (``&masked=``), applied before top-k."""
         rows = np.ascontiguousarray(np.atleast_2d(np.asarray(h, dtype=np.float32)))
         k = max(1, min(k, self.vocab))
         if rows.shape[0] > self.MAX_ROWS:  # the embed server's max_batch (default): more rows, more requests
-            return [t for i in range(0, rows.shape[0], self.MAX_ROWS) for t in self.top_k_rows(rows[i : i + self.MAX_ROWS], k)]
+            return [t for i in range(0, rows.shape[0], self.MAX_ROWS)
+                    for t in self.top_k_rows(rows[i : i + self.MAX_ROWS], k,
+                                             None if masks is None else masks[i : i + self.MAX_ROWS])]
+        masked = [i for i, m in enumerate(masks or ()) if m is not None]
 
         def decode(r: Reply) -> list[tuple[np.ndarray, np.ndarray]]:
             try:
@@ -240,8 +245,15 @@ class RemoteHead:
                 raise RemoteError(f"malformed many-rows logits ({e})") from None
             return out
 
-        return self.replicas.request(self._urls(), "POST", f"/v1/logits?rows={rows.shape[0]}&top_k={k}&temperature=1",
-                                     content=embed_wire.encode_logits_rows_request(rows),
+        if masked:
+            assert masks is not None
+            bits = np.stack([np.asarray(masks[i]).reshape(-1) for i in masked])
+            query = f"/v1/logits?rows={rows.shape[0]}&top_k={k}&temperature=1&masked={','.join(map(str, masked))}"
+            content = embed_wire.encode_logits_masked_rows_request(rows, bits)
+        else:
+            query = f"/v1/logits?rows={rows.shape[0]}&top_k={k}&temperature=1"
+            content = embed_wire.encode_logits_rows_request(rows)
+        return self.replicas.request(self._urls(), "POST", query, content=content,
                                      headers={"content-type": ffn_wire.CONTENT_TYPE}, decode=decode, hop=("logits", None))
 
     def logits(self, h: np.ndarray) -> np.ndarray:
