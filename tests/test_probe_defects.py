@@ -65,6 +65,11 @@ class HealthPoller:
     def worst(self) -> float:
         return max(self.times)
 
+    @property
+    def p90(self) -> float:
+        t = sorted(self.times)
+        return t[int(0.9 * (len(t) - 1))]
+
 
 def _encode_seconds(tokenizer, text: str) -> float:
     t0 = time.perf_counter()
@@ -125,18 +130,36 @@ def test_a_prompt_longer_than_the_context_can_hold_is_refused_untokenized(tiny_m
 
 def test_the_embed_server_tokenizes_off_its_event_loop(tiny_models, tokenizer):
     """Eight clients encoding 100,000 characters each held the embed server's loop (health p99 1.5 s):
-    the tokenizer ran in the handler. Health now answers while they encode."""
+    the tokenizer ran in the handler, on the loop. The real tokenizer is wrapped to record the thread
+    each call runs on: never the event loop's now (timing on a loaded host is benchmarks' business:
+    benchmarks/largest_request.py, embed health p99 2,123 ms -> 160 ms with 8 clients)."""
     text = "the capital of france is paris. " * 3_125  # 100,000 characters: the published limit
-    baseline = _encode_seconds(tokenizer, text)
+
+    class Recording:
+        def __init__(self, inner):
+            self.inner, self.threads = inner, set()
+
+        def __getattr__(self, name):
+            attr = getattr(self.inner, name)
+            if name.startswith("encode"):
+                def call(*a, **kw):
+                    self.threads.add(threading.current_thread().name)
+                    return attr(*a, **kw)
+                return call
+            return attr
+
     with _inproc.embed({"gemma": tiny_models["gemma3"]}) as srv:
         _inproc.wait_ready(srv)
-        with HealthPoller(srv.url) as health, ThreadPoolExecutor(8) as ex:
+        model = srv.app.ctx.registry.models["gemma"]
+        model._tokenizer = rec = Recording(model.tokenizer)
+        loop_thread = httpx.post(srv.url + "/v1/token/encode", json={"text": "x"}, timeout=60) and srv._thread.name
+        with ThreadPoolExecutor(8) as ex:
             replies = list(ex.map(lambda _: httpx.post(srv.url + "/v1/token/encode", json={"text": text}, timeout=120),
-                                  range(16)))
+                                  range(8)))
+        replies.append(httpx.get(srv.url + "/v1/token/encode", params={"text": "paris"}, timeout=60))
         assert all(r.status_code == 200 for r in replies)
         assert replies[0].json()["token_ids"] == tokenizer.encode(text, add_special_tokens=False).ids
-        # 16 encodes queue in one compute thread; on the loop, a health check waited for several of them
-        assert health.worst < 2 * baseline, (health.worst, baseline)
+        assert rec.threads and loop_thread not in rec.threads, (rec.threads, loop_thread)
 
 
 # -- Medium: a lone surrogate was a 500 (and, through the router, an embed-server failure) ------------
