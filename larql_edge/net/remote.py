@@ -126,18 +126,34 @@ class Replicas:
                           + "; ".join(_dedupe(reasons)))
 
 
+def check_answer(values: np.ndarray, r: Reply, pins: dict, key: object, what: str) -> None:
+    """One model, sound values: a reply with non-finite values (damaged weights) or from another build
+    than the one ``key`` was first answered from (``X-Larql-Vindex``) is that replica's failure, so the
+    next one is tried and two builds are never mixed in one generation."""
+    if not np.isfinite(values).all():
+        raise RemoteError(f"non-finite values in the {what} reply")
+    ident = r.headers.get(VINDEX_HEADER)
+    if ident:
+        first = pins.setdefault(key, ident)
+        if ident != first:
+            raise RemoteError(f"{what} answered from vindex {ident}, earlier from {first}: "
+                              "refusing to mix two builds of the model")
+
+
 class RemoteEmbed:
     """Token ids -> scaled input rows, from POST /v1/embed (binary)."""
 
     def __init__(self, replicas: Replicas, urls: Sequence[str], hidden: int, path: DirectPath | None = None):
         self.replicas, self.urls, self.hidden = replicas, list(urls), hidden
         self.path = path  # with the direct data path: the embed servers the routers list come first
+        self.identity: dict[object, str] = {}  # the vindex the embed tier first answered from
 
     def embed(self, ids: Sequence[int]) -> np.ndarray:
         def decode(r: Reply) -> np.ndarray:
             rows = embed_wire.decode_embed_response(r.content)
             if rows.shape != (len(ids), self.hidden):
                 raise RemoteError(f"{list(rows.shape)} rows, expected [{len(ids)}, {self.hidden}]: another model?")
+            check_answer(rows, r, self.identity, "embed", "embeddings")
             return rows
 
         urls = self.path.embed_urls(self.urls) if self.path is not None else self.urls
@@ -199,14 +215,19 @@ class RemoteHead:
         return self.replicas.request(self._urls(), "POST", "/v1/logits", content=body,
                                      headers={"content-type": "application/json"}, decode=decode, hop=("logits", None))
 
-    def top_k_rows(self, h: np.ndarray, k: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    def top_k_rows(self, h: np.ndarray, k: int,
+                   masks: Sequence[np.ndarray | None] | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
         """The top ``k`` (ids, log-probabilities at temperature 1) of every row, in ONE request: the
         embed server's many-rows form (binary ``?rows=N``, answered as top-k JSON per row), which its
-        batcher multiplies as one lm_head product. larql-serve's head: one request per decode step."""
+        batcher multiplies as one lm_head product. larql-serve's head: one request per decode step.
+        ``masks`` (per row None or a token bitmask) go with the rows (``&masked=``), applied before top-k."""
         rows = np.ascontiguousarray(np.atleast_2d(np.asarray(h, dtype=np.float32)))
         k = max(1, min(k, self.vocab))
         if rows.shape[0] > self.MAX_ROWS:  # the embed server's max_batch (default): more rows, more requests
-            return [t for i in range(0, rows.shape[0], self.MAX_ROWS) for t in self.top_k_rows(rows[i : i + self.MAX_ROWS], k)]
+            return [t for i in range(0, rows.shape[0], self.MAX_ROWS)
+                    for t in self.top_k_rows(rows[i : i + self.MAX_ROWS], k,
+                                             None if masks is None else masks[i : i + self.MAX_ROWS])]
+        masked = [i for i, m in enumerate(masks or ()) if m is not None]
 
         def decode(r: Reply) -> list[tuple[np.ndarray, np.ndarray]]:
             try:
@@ -224,8 +245,15 @@ class RemoteHead:
                 raise RemoteError(f"malformed many-rows logits ({e})") from None
             return out
 
-        return self.replicas.request(self._urls(), "POST", f"/v1/logits?rows={rows.shape[0]}&top_k={k}&temperature=1",
-                                     content=embed_wire.encode_logits_rows_request(rows),
+        if masked:
+            assert masks is not None
+            bits = np.stack([np.asarray(masks[i]).reshape(-1) for i in masked])
+            query = f"/v1/logits?rows={rows.shape[0]}&top_k={k}&temperature=1&masked={','.join(map(str, masked))}"
+            content = embed_wire.encode_logits_masked_rows_request(rows, bits)
+        else:
+            query = f"/v1/logits?rows={rows.shape[0]}&top_k={k}&temperature=1"
+            content = embed_wire.encode_logits_rows_request(rows)
+        return self.replicas.request(self._urls(), "POST", query, content=content,
                                      headers={"content-type": ffn_wire.CONTENT_TYPE}, decode=decode, hop=("logits", None))
 
     def logits(self, h: np.ndarray) -> np.ndarray:
@@ -263,7 +291,7 @@ class RemoteFfn:
                         "accept": ffn_wire.CONTENT_TYPE_F16 if f16 else ffn_wire.CONTENT_TYPE}
         self.seconds = 0.0  # time spent in FFN round trips (benchmarks read it)
         self.calls = 0
-        self.identity: dict[int, str] = {}  # layer -> the vindex that first answered it (X-Larql-Vindex)
+        self.identity: dict[object, str] = {}  # layer -> the vindex that first answered it (X-Larql-Vindex)
 
     def missing_layers(self) -> list[int]:
         return [layer for layer, urls in self._urls.items() if not urls]
@@ -279,14 +307,7 @@ class RemoteFfn:
             got, out, _ = ffn_wire.decode_response(r.content, self.hidden, f16=f16)
             if got != layer or out.shape != x2.shape:
                 raise RemoteError(f"the reply is for layer {got} with shape {list(out.shape)}")
-            if not np.isfinite(out).all():  # damaged weights: that replica's failure, the next one is tried
-                raise RemoteError(f"non-finite values in the layer {layer} reply")
-            ident = r.headers.get(VINDEX_HEADER)
-            if ident:  # one model: every token's layer answered by the same build (replicas of another are refused)
-                first = self.identity.setdefault(layer, ident)
-                if ident != first:
-                    raise RemoteError(f"layer {layer} answered from vindex {ident}, earlier from {first}: "
-                                      "refusing to mix two builds of the model")
+            check_answer(out, r, self.identity, layer, f"layer {layer}")
             return out
 
         body = ffn_wire.encode_request(layer, x)

@@ -32,6 +32,7 @@ from .chat import ChatTemplate
 from .openapi import openapi_spec
 from .routes import bp
 from .scheduler import Scheduler
+from .structured import Grammars
 
 # The request bodies are small JSON (a prompt, messages): 4 MiB takes a context's worth of text.
 MAX_BODY = 4 << 20
@@ -121,6 +122,7 @@ def create_app(engine: BatchEngine, served: Served, limits: Limits, name: str = 
     app = make_app(name, "serve", hooks, max_body=MAX_BODY, error_body=openai_error_body)
     app.config.RESPONSE_TIMEOUT = 3600  # a long generation streams for minutes
     app.ctx.served, app.ctx.scheduler, app.ctx.engine = served, sched, engine
+    app.ctx.grammars = Grammars(served.tokenizer, served.vocab, served.eos_ids)
     app.blueprint(bp)
     require_api_keys(app, api_keys)
 

@@ -43,12 +43,16 @@ class ChatTemplate:
         except TemplateError as e:
             raise SetupError(f"chat template ({self.origin}) does not compile: {e}") from None
 
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+               tools: list[dict[str, Any]] | None = None) -> str:
+        """``tools``: the request's tools, as transformers passes them (absent from the context when None)."""
         from jinja2.exceptions import TemplateError
 
+        extra = {} if tools is None else {"tools": tools}
         try:
             return self._template.render(messages=messages, bos_token=self.bos_token or "",
-                                         eos_token=self.eos_token or "", add_generation_prompt=add_generation_prompt)
+                                         eos_token=self.eos_token or "", add_generation_prompt=add_generation_prompt,
+                                         **extra)
         except TemplateError as e:
             raise BadRequest(f"the chat template refused these messages: {e}") from None
         except (TypeError, ValueError, KeyError, AttributeError, IndexError) as e:  # a template's own mistakes on odd input
