@@ -72,12 +72,20 @@ class SeqCache:
         self.context = context
         self.length = 0
 
+    def truncate(self, length: int) -> None:
+        """Forget the positions from ``length`` on (speculative decoding's rollback): they are
+        overwritten in place by the next ones."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot truncate a cache of {self.length} positions to {length}")
+        self.length = length
+
 
 @dataclass
 class Chunk:
     cache: SeqCache
     ids: Sequence[int]
     wants_logits: bool = True  # False for a prefill chunk that is not the prompt's last
+    logit_rows: int = 1  # with wants_logits: how many of the last rows want their top k (drafts verified)
 
 
 class BatchEngine:
@@ -144,13 +152,19 @@ class BatchEngine:
 
     def step(self, chunks: Sequence[Chunk], k: int) -> list[tuple[np.ndarray, np.ndarray] | None]:
         """One step: per chunk, the top ``k`` of its next token (None for a chunk not asking)."""
+        return [rows[-1] if rows else None for rows in self.step_rows(chunks, k)]
+
+    def step_rows(self, chunks: Sequence[Chunk], k: int) -> list[list[tuple[np.ndarray, np.ndarray]]]:
+        """One step: per chunk, the top ``k`` after each of its last ``logit_rows`` rows (none for a
+        chunk not asking), every chunk's rows in ONE head request."""
         if not chunks:
             return []
         h = self.forward(chunks)
-        last, at = [], 0
+        wanted, counts, at = [], [], 0
         for c in chunks:
             at += len(c.ids)
-            if c.wants_logits:
-                last.append(at - 1)
-        tops = iter(self.head.top_k_rows(h[last], k) if last else [])
-        return [next(tops) if c.wants_logits else None for c in chunks]
+            n = min(max(1, c.logit_rows), len(c.ids)) if c.wants_logits else 0
+            wanted.extend(range(at - n, at))
+            counts.append(n)
+        tops = iter(self.head.top_k_rows(h[wanted], k) if wanted else [])
+        return [[next(tops) for _ in range(n)] for n in counts]

@@ -344,3 +344,50 @@ def generate(model, ids: Sequence[int], max_tokens: int, temperature: float = 0.
             context.append(t)
             if t in stop or out >= max_tokens:
                 return
+
+
+# -- per sequence, for a batching scheduler (larql-serve) ----------------------------------------
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What speculation does (larql-serve's ``/v1/stats`` shows it)."""
+
+    enabled: bool = True
+    max_k: int = DEFAULT_MAX_K
+    ngram_min: int = NGRAM_MIN
+    ngram_max: int = NGRAM_MAX
+
+    def as_json(self) -> dict:
+        return {"enabled": self.enabled, "drafter": "ngram" if self.enabled else None, "max_k": self.max_k,
+                "ngram": [self.ngram_min, self.ngram_max], "adaptive": True}
+
+
+class SeqSpeculator:
+    """One sequence's speculation in a batching step: `propose` the drafts that go in its chunk after
+    its last decided token, then `verify` them against the top candidates of each of its rows."""
+
+    def __init__(self, settings: Settings):
+        self.drafter = NgramDrafter(settings.ngram_max, settings.ngram_min)
+        self.adapt = AdaptiveK(settings.max_k)
+        self.drafted = 0
+        self.accepted = 0
+
+    def propose(self, context: Sequence[int], room: int) -> list[int]:
+        """At most ``room`` drafts (what the sequence may still emit after the next token, and what
+        its cache still holds)."""
+        k = min(self.adapt.next_k(), room)
+        return self.drafter.propose(context, k).tokens[:k] if k > 0 else []
+
+    def verify(self, drafts: Sequence[int], rows: Sequence[tuple[np.ndarray, np.ndarray]], temperature: float,
+               top_p: float, rng: np.random.Generator) -> tuple[int, int]:
+        """(drafts kept, the token after them); ``rows[i]`` is the (ids, log-probabilities) top of the
+        target after row ``i`` of the sequence's chunk, ``len(drafts) + 1`` of them."""
+        if temperature < MIN_TEMPERATURE:
+            kept, nxt = accept_greedy(drafts, [int(ids[0]) for ids, _ in rows])
+        else:
+            kept, nxt = accept(drafts, None, [dist_from_top(ids, lps, temperature, top_p) for ids, lps in rows], rng)
+        self.adapt.update(len(drafts), kept)
+        self.drafted += len(drafts)
+        self.accepted += kept
+        return kept, nxt

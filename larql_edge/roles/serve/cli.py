@@ -18,6 +18,7 @@ from larql_edge.service import add_server_flags, pin_blas, serve, setup_logging
 
 log = logging.getLogger("larql.serve")
 MAX_STEP_TOKENS = 2048
+MAX_SPEC_K = 16
 
 
 def build_parser():
@@ -46,6 +47,10 @@ def build_parser():
           help="a Jinja chat template overriding the vindex's tokenizer_config.json chat_template")
     f.add("--served-model-name", default=None, metavar="NAME[,ALIAS]",
           help="the model's name in /v1/models and in requests (default: the vindex's model name, always accepted too)")
+    f.toggle("--speculate", default=True, help="n-gram speculative decoding: drafts from each sequence's own context, "
+             "verified together in the step (same greedy tokens, same sampling distribution; k adapts per sequence, "
+             "0 while drafts keep failing)")
+    f.add("--spec-k", type=int, default=4, help=f"drafts per sequence per step at most (1..{MAX_SPEC_K})")
     f.add("--timeout", type=float, default=60.0, help="seconds to wait for one grid reply")
     f.add("--retries", type=int, default=10, help="attempts beyond the first for a failed grid request (fail-over)")
     add_server_flags(f, port=8000)
@@ -66,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--max-active, --kv-memory-mb, --step-tokens must be >= 1, --max-queue >= 0, --context >= 2")
     if args.step_tokens > MAX_STEP_TOKENS:  # one step's ids are one /v1/embed request (the embed server takes 4096)
         parser.error(f"--step-tokens must be at most {MAX_STEP_TOKENS}")
+    if not 1 <= args.spec_k <= MAX_SPEC_K:
+        parser.error(f"--spec-k must be between 1 and {MAX_SPEC_K}")
     pin_blas(args.blas_threads)
     from larql_edge.format.vindex import Vindex
     from larql_edge.roles.serve.app import (
@@ -93,10 +100,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"larql-serve: error: {e}", file=sys.stderr)
         return e.exit_code
 
-    log.info("larql-serve: %s, context %d, %d active + %d queued, chat template %s; grid %s; listening on http://%s:%d",
-             served.model_id, context, limits.max_active, limits.max_queue,
-             "yes" if served.chat_template else "none", args.ffn, args.host, args.port)
-    serve(lambda: create_app(engine, served, limits), args.host, args.port, access_log=args.access_log)
+    log.info("larql-serve: %s, context %d, %d active + %d queued, chat template %s, speculation %s; grid %s; "
+             "listening on http://%s:%d", served.model_id, context, limits.max_active, limits.max_queue,
+             "yes" if served.chat_template else "none", f"k<={args.spec_k}" if args.speculate else "off", args.ffn, args.host, args.port)
+    from larql_edge.model.speculative import Settings
+
+    speculation = Settings(enabled=args.speculate, max_k=args.spec_k)
+    serve(lambda: create_app(engine, served, limits, speculation=speculation), args.host, args.port, access_log=args.access_log)
     return 0
 
 

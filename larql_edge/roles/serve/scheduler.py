@@ -9,6 +9,11 @@
   step's ``step_tokens`` budget (a long prompt is prefilled in chunks over several steps, so it never
   stalls the others' decoding for more than one chunk); `BatchEngine.step` runs them all as one
   stack of rows (one FFN request per layer, one logits request).
+- Speculation (`larql_edge.model.speculative`, on by default): a decoding sequence's chunk is its
+  last token plus up to k n-gram drafts (k adaptive per sequence, 0 while drafts keep failing); the
+  head returns the top candidates after each of those rows and the drafts are accepted (greedy: the
+  same tokens; sampling: the speculative-sampling rule, the same distribution), the KV cache rolled
+  back past the first rejected one. Sequences with and without drafts share one step.
 - Sampling is local, on the top ``k`` log-probabilities the head returns (k = 64, or more for
   ``top_logprobs``): greedy takes the first (exact), otherwise temperature then top-p over those k.
 - Text: the generated ids are re-decoded as a whole; text is released only when it cannot be the
@@ -35,6 +40,7 @@ import numpy as np
 
 from larql_edge.errors import LarqlError, ServiceUnavailable, TooManyRequests
 from larql_edge.model.batch import BatchEngine, Chunk, SeqCache
+from larql_edge.model.speculative import SeqSpeculator, Settings
 
 log = logging.getLogger("larql.serve")
 
@@ -90,6 +96,7 @@ class Seq:
         self.t_submit = time.perf_counter()
         self.t_first: float | None = None
         self.t_last: float | None = None
+        self.speculator: SeqSpeculator | None = None
 
     def post(self, ev: Event) -> None:
         try:
@@ -131,7 +138,7 @@ def _held_back(text: str, stops: Sequence[str]) -> int:
 class Scheduler:
     def __init__(self, engine: BatchEngine, tokenizer, *, context: int, max_active: int, max_queue: int,
                  step_tokens: int = 128, eos_ids: Sequence[int] = (),
-                 on_token: Callable[[str, float], None] | None = None):
+                 on_token: Callable[[str, float], None] | None = None, speculation: Settings | None = None):
         self.engine, self.tok = engine, tokenizer
         self.context, self.max_active, self.max_queue = context, max_active, max_queue
         self.step_tokens = max(1, step_tokens)
@@ -147,6 +154,10 @@ class Scheduler:
         self.generated_tokens = 0
         self.prompt_tokens = 0
         self.last_step_ms = 0.0
+        self.speculation = speculation or Settings(enabled=False)
+        self.drafted_tokens = 0
+        self.accepted_tokens = 0
+        self.on_step: Callable[[int], None] = lambda rows: None  # rows (positions) of each step
 
     # -- the event loop's side ----------------------------------------------------------------------
     @property
@@ -208,6 +219,8 @@ class Scheduler:
                         self._finish(s, None, ServiceUnavailable(f"no memory for a KV cache of {self.context} "
                                                                  f"positions ({e})"))
                         continue
+                    if self.speculation.enabled and self.speculation.max_k > 0:
+                        s.speculator = SeqSpeculator(self.speculation)
                     self.active.append(s)
                 batch = list(self.active)
             try:
@@ -223,8 +236,10 @@ class Scheduler:
     def _step(self, batch: list[Seq]) -> None:
         chunks: list[Chunk] = []
         owners: list[Seq] = []
+        drafts: list[list[int]] = []
         decoding = [s for s in batch if s.fed == len(s.prompt)]
-        budget = max(1, self.step_tokens - len(decoding))
+        proposed = {s.id: self._drafts(s) for s in decoding}
+        budget = max(1, self.step_tokens - sum(1 + len(d) for d in proposed.values()))
         for s in batch:
             assert s.cache is not None
             if s.fed < len(s.prompt):
@@ -235,8 +250,11 @@ class Scheduler:
                 s.fed += n
                 budget -= n
                 chunks.append(Chunk(s.cache, ids, wants_logits=s.fed == len(s.prompt)))
+                drafts.append([])
             else:
-                chunks.append(Chunk(s.cache, [s.generated[-1]]))
+                d = proposed[s.id]
+                chunks.append(Chunk(s.cache, [s.generated[-1], *d], logit_rows=1 + len(d)))
+                drafts.append(d)
             owners.append(s)
         if not chunks:
             return
@@ -245,16 +263,45 @@ class Scheduler:
         k = max(1 if s.params.temperature < MIN_TEMPERATURE else HEAD_TOP_K for s in owners)
         k = max([k] + [(s.params.logprobs or 0) + 1 for s in owners])
         t0 = time.perf_counter()
-        tops = self.engine.step(chunks, k)
+        starts = [c.cache.length for c in chunks]
+        tops = self.engine.step_rows(chunks, k)
         self.last_step_ms = (time.perf_counter() - t0) * 1e3
         self.steps += 1
-        self.step_rows += sum(len(c.ids) for c in chunks)
-        for s, top in zip(owners, tops, strict=True):
-            if top is not None and not s.cancelled:
-                self._accept(s, *top)
+        rows = sum(len(c.ids) for c in chunks)
+        self.step_rows += rows
+        self.on_step(rows)
+        for s, rows_top, d, start in zip(owners, tops, drafts, starts, strict=True):
+            if not rows_top or s.cancelled:
+                continue
+            if not d:
+                self._accept(s, *rows_top[-1])
+                continue
+            self._verify(s, d, rows_top, start)
+
+    def _drafts(self, s: Seq) -> list[int]:
+        """The drafts for a decoding sequence's chunk: none without speculation, and never more than
+        it may still emit after its next token, nor than its cache holds."""
+        if s.speculator is None or s.cache is None:
+            return []
+        room = min(s.params.max_tokens - len(s.generated) - 1, s.cache.context - s.cache.length - 1)
+        return s.speculator.propose(s.prompt + s.generated, room) if room > 0 else []
+
+    def _verify(self, s: Seq, d: list[int], rows_top: list[tuple[np.ndarray, np.ndarray]], start: int) -> None:
+        assert s.speculator is not None and s.cache is not None
+        kept, nxt = s.speculator.verify(d, rows_top, s.params.temperature, s.params.top_p, s.rng)
+        s.cache.truncate(start + 1 + kept)  # the last decided token and the kept drafts stay
+        self.drafted_tokens += len(d)
+        self.accepted_tokens += kept
+        for i, tok in enumerate([*d[:kept], nxt]):
+            if s.finished is not None:
+                return
+            self._emit(s, tok, *rows_top[i])
 
     def _accept(self, s: Seq, ids: np.ndarray, lps: np.ndarray) -> None:
-        tok = sample(ids, lps, s.params, s.rng)
+        self._emit(s, sample(ids, lps, s.params, s.rng), ids, lps)
+
+    def _emit(self, s: Seq, tok: int, ids: np.ndarray, lps: np.ndarray) -> None:
+        """Token ``tok`` joins the sequence; ``ids``/``lps``: the candidates it was chosen among."""
         now = time.perf_counter()
         if s.t_first is None:
             s.t_first = now
@@ -311,4 +358,8 @@ class Scheduler:
         return {"steps": self.steps, "rows": self.step_rows,
                 "mean_rows_per_step": round(self.step_rows / self.steps, 3) if self.steps else None,
                 "last_step_ms": round(self.last_step_ms, 3), "generated_tokens": self.generated_tokens,
-                "prompt_tokens": self.prompt_tokens}
+                "prompt_tokens": self.prompt_tokens,
+                "speculation": {**self.speculation.as_json(), "drafted_tokens": self.drafted_tokens,
+                                "accepted_tokens": self.accepted_tokens,
+                                "acceptance": round(self.accepted_tokens / self.drafted_tokens, 4)
+                                if self.drafted_tokens else None}}

@@ -1,0 +1,248 @@
+"""Speculative decoding, fast tier: the drafters, the acceptance rules, adaptive k, KV rollback, and
+exactness on the tiny models (greedy: the same tokens as plain decoding; sampling: the same
+distribution, by a chi-square test against the plain model's probabilities computed directly)."""
+
+from __future__ import annotations
+
+import math
+from statistics import NormalDist
+
+import numpy as np
+import pytest
+
+from larql_edge.errors import LarqlError
+from larql_edge.format.vindex import Vindex
+from larql_edge.model import speculative as sp
+from larql_edge.model.forward import Transformer
+from larql_edge.model.speculative import AdaptiveK, Dist, Draft, ModelDrafter, NgramDrafter
+
+# Repeats an n-gram (2 4 5 6) so that prompt lookup has something to draft; longer than the tiny
+# Gemma's sliding window (4), so rollback crosses it.
+IDS = [2, 4, 5, 6, 7, 8, 9, 10, 4, 5, 6, 11, 12, 4, 5]
+
+
+def _chi_square_ok(counts: np.ndarray, probs: np.ndarray, alpha_z: float = 3.29) -> tuple[bool, float, float]:
+    """Pearson's goodness of fit at ~1e-3 (upper z 3.29 via Wilson-Hilferty; scipy is not a dependency).
+    Cells expecting fewer than 5 draws are pooled."""
+    n = counts.sum()
+    exp = probs * n
+    big = exp >= 5
+    obs_cells = list(counts[big]) + [counts[~big].sum()]
+    exp_cells = list(exp[big]) + [exp[~big].sum()]
+    if exp_cells[-1] < 5:  # the pooled rest too small: merge it into the smallest cell
+        obs_cells[-2] += obs_cells.pop()
+        exp_cells[-2] += exp_cells.pop()
+    stat = sum((o - e) ** 2 / e for o, e in zip(obs_cells, exp_cells, strict=True))
+    df = len(exp_cells) - 1
+    crit = df * (1 - 2 / (9 * df) + alpha_z * math.sqrt(2 / (9 * df))) ** 3
+    return stat <= crit, stat, crit
+
+
+def test_chi_square_helper_rejects_a_wrong_distribution():
+    rng = np.random.default_rng(0)
+    p = np.array([0.4, 0.3, 0.2, 0.1])
+    good = np.bincount(rng.choice(4, 20000, p=p), minlength=4)
+    bad = np.bincount(rng.choice(4, 20000, p=[0.37, 0.33, 0.2, 0.1]), minlength=4)
+    assert _chi_square_ok(good, p)[0]
+    assert not _chi_square_ok(bad, p)[0]
+    assert NormalDist().inv_cdf(1 - 5e-4) == pytest.approx(3.29, abs=0.01)
+
+
+def test_ngram_drafter_proposes_what_followed_the_most_recent_match():
+    d = NgramDrafter(max_n=3, min_n=2)
+    # the tail (5, 6) occurred twice before; the most recent is followed by 11 12 4
+    assert d.propose([1, 5, 6, 7, 8, 5, 6, 11, 12, 4, 5, 6], 3).tokens == [11, 12, 4]
+    assert d.propose([1, 5, 6, 7, 8, 5, 6, 11, 12, 4, 5, 6], 1).tokens == [11]
+    # the longest n-gram wins over a more recent shorter one: (7, 5, 6) -> 9
+    assert d.propose([7, 5, 6, 9, 1, 5, 6, 3, 7, 5, 6], 2).tokens == [9, 1]
+    assert d.propose([1, 2, 3, 4], 3).tokens == []  # no repeat, no draft
+    assert d.propose([1, 2, 1, 2], 0).tokens == []
+    assert d.propose([3, 3], 2).tokens == []  # min_n 2: a single repeated token is not a match
+    assert NgramDrafter(min_n=1).propose([3, 3], 2).tokens == [3]
+    # a match right before the tail proposes up to what exists
+    assert d.propose([9, 8, 9, 8], 4).tokens == [9, 8]
+
+
+def test_greedy_acceptance_keeps_the_prefix_equal_to_the_targets_argmax():
+    assert sp.accept_greedy([5, 6, 7], [5, 6, 7, 8]) == (3, 8)
+    assert sp.accept_greedy([5, 6, 7], [5, 9, 7, 8]) == (1, 9)
+    assert sp.accept_greedy([5, 6, 7], [4, 6, 7, 8]) == (0, 4)
+    assert sp.accept_greedy([], [3]) == (0, 3)
+
+
+@pytest.mark.parametrize("drafter", ["point", "model"])
+def test_the_acceptance_rule_keeps_the_target_distribution(drafter):
+    """The first emitted token of a pass is distributed as p[0], whatever the drafts and q."""
+    rng = np.random.default_rng(7)
+    vocab = 8
+    p0 = np.array([0.30, 0.22, 0.15, 0.12, 0.09, 0.06, 0.04, 0.02])
+    p = [Dist(p0), Dist(np.roll(p0, 3))]
+    q0 = np.array([0.05, 0.05, 0.40, 0.05, 0.05, 0.30, 0.05, 0.05])
+    counts = np.zeros(vocab, dtype=np.int64)
+    wrong = np.zeros(vocab, dtype=np.int64)  # a naive rule (keep every draft) for contrast
+    for _ in range(20000):
+        if drafter == "point":
+            d, q = [5], None  # an unlikely token drafted deterministically
+        else:
+            d, q = [int(rng.choice(vocab, p=q0))], [Dist(q0)]
+        kept, nxt = sp.accept(d, q, p, rng)
+        counts[d[0] if kept else nxt] += 1
+        wrong[d[0]] += 1
+    ok, stat, crit = _chi_square_ok(counts, p0)
+    assert ok, (stat, crit, counts)
+    assert not _chi_square_ok(wrong, p0)[0]
+
+
+def test_sparse_distributions_accept_and_residual_as_dense_ones():
+    rng = np.random.default_rng(3)
+    p = Dist(np.array([0.5, 0.3, 0.2]), np.array([40, 7, 9]))
+    assert p.prob(7) == 0.3 and p.prob(8) == 0.0
+    r = p.minus(Dist.point(40))
+    assert r is not None and r.prob(40) == 0.0 and r.prob(7) == pytest.approx(0.6)
+    counts = np.zeros(3, dtype=np.int64)
+    for _ in range(20000):
+        kept, nxt = sp.accept([40], None, [p, p], rng)
+        counts[[40, 7, 9].index(40 if kept else nxt)] += 1
+    assert _chi_square_ok(counts, p.probs)[0]
+    # a draft the target gives no probability is always rejected, the token drawn from p itself
+    assert all(sp.accept([123], None, [p, p], rng)[0] == 0 for _ in range(200))
+
+
+def test_top_p_distribution_matches_the_schedulers_sampler():
+    from larql_edge.roles.serve.scheduler import Params, sample
+
+    ids = np.array([11, 12, 13, 14, 15])
+    lps = np.log(np.array([0.4, 0.25, 0.15, 0.12, 0.08]))
+    d = sp.dist_from_top(ids, lps, temperature=0.7, top_p=0.8)
+    for seed in range(50):
+        assert d.sample(np.random.default_rng(seed)) == sample(ids, lps, Params(4, 0.7, 0.8), np.random.default_rng(seed))
+
+
+def test_adaptive_k_backs_off_to_zero_when_drafts_keep_failing_and_recovers():
+    a = AdaptiveK(4)
+    assert a.next_k() == 4
+    a.update(4, 4)
+    assert a.k == 4
+    a.update(4, 1)
+    assert a.next_k() == 2
+    a.update(2, 0)
+    a.update(1, 0)  # patience 2: now it rests
+    rest = [a.next_k() for _ in range(4)]
+    assert rest == [0, 0, 0, 0]
+    assert a.next_k() == 1  # one probe
+    a.update(1, 0)
+    a.update(1, 0)
+    assert [a.next_k() for _ in range(8)] == [0] * 8  # the rest doubled
+    assert a.next_k() == 1
+    a.update(1, 1)
+    a.update(2, 2)
+    assert a.next_k() == 3  # grows back with full acceptance
+    a.update(0, 0)  # no drafts: nothing learned
+    assert a.next_k() == 3
+    assert AdaptiveK(0).next_k() == 0
+
+
+@pytest.mark.parametrize("family", ["gemma3", "llama"])
+def test_kv_rollback_gives_the_logits_of_a_cache_that_never_saw_the_rejected_rows(tiny_models, family):
+    m = Transformer.local(tiny_models[family])
+    want = m.next_logits(IDS)  # one plain pass over the whole sequence
+    cache = m.new_cache()
+    m.forward(IDS[:9], cache)
+    m.forward([IDS[9], 33, 34, 35], cache)  # one kept row, three rejected
+    cache.truncate(10, m.windows())
+    got = m.next_logits(IDS[10:], cache)
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+    with pytest.raises(ValueError):
+        cache.truncate(cache.length + 1)
+
+
+def test_kv_rollback_past_the_sliding_window_needs_slack(tiny_models):
+    m = Transformer.local(tiny_models["gemma3"])  # window 4
+    tight = m.new_cache()
+    for t in IDS[:10]:
+        m.forward([t], tight)
+    with pytest.raises(ValueError, match="slack"):
+        tight.truncate(6, m.windows())
+    loose = m.new_cache(slack=8)
+    for t in IDS[:10]:
+        m.forward([t], loose)
+    loose.truncate(6, m.windows())
+    np.testing.assert_allclose(m.next_logits(IDS[6:12], loose), m.next_logits(IDS[:12]), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["gemma3", "llama"])
+@pytest.mark.parametrize("drafter", ["ngram", "same-model", "other-model"])
+def test_greedy_speculation_gives_the_tokens_of_plain_decoding(tiny_models, family, drafter):
+    m = Transformer.local(tiny_models[family])
+    other = "llama" if family == "gemma3" else "gemma3"
+    d = {"ngram": None, "same-model": lambda: ModelDrafter(Transformer.local(tiny_models[family])),
+         "other-model": lambda: ModelDrafter(Transformer.local(tiny_models[other]))}[drafter]
+    for prompt in (IDS, IDS[:5], [2, 4, 4, 4, 4]):
+        want = list(m.generate(prompt, 40, stop_ids=[]))
+        stats = sp.SpecStats()
+        got = list(sp.generate(m, prompt, 40, stop_ids=[], drafter=d() if d else None, stats=stats))
+        assert got == want
+        assert stats.tokens == 40 and stats.passes + 1 <= 40
+    if drafter == "same-model":  # a perfect drafter: every draft kept, ~k+1 tokens per pass
+        assert stats.accepted == stats.drafted and stats.passes <= 40 // 4
+
+
+def test_greedy_speculation_stops_at_eos_and_max_tokens_as_plain_decoding(tiny_models):
+    m = Transformer.local(tiny_models["gemma3"])
+    plain = list(m.generate(IDS, 30, stop_ids=[]))
+    stop = plain[12]
+    for n in (1, 2, 5, 13, 30):
+        assert list(sp.generate(m, IDS, n, stop_ids=[])) == plain[:n]
+    want = list(m.generate(IDS, 30, stop_ids=[stop]))
+    assert list(sp.generate(m, IDS, 30, stop_ids=[stop],
+                            drafter=ModelDrafter(Transformer.local(tiny_models["gemma3"])))) == want
+    with pytest.raises(ValueError):
+        list(sp.generate(m, [], 3))
+
+
+class _FixedDrafter:
+    """Always drafts the same tokens as point masses (a valid, if poor, drafter)."""
+
+    def __init__(self, tokens):
+        self.tokens = tokens
+
+    def propose(self, context, k, temperature, rng):
+        return Draft(self.tokens[:k])
+
+
+@pytest.mark.parametrize("drafter", ["fixed", "model"])
+def test_sampled_speculation_keeps_the_models_distribution(tiny_models, drafter):
+    """The second token of a sampled continuation (3 tokens: the second is the first one that went through acceptance) over
+    many seeds, against sum_t1 p(t1) p(t2 | t1) from the plain model."""
+    m = Transformer.local(tiny_models["gemma3"])
+    temperature = 1.5  # a flat distribution: many cells
+    ctx = IDS[:6]
+    p1 = sp.dist_from_logits(m.next_logits(ctx), temperature).probs
+    p2 = np.zeros_like(p1)
+    for t1 in np.nonzero(p1 > 1e-9)[0]:
+        p2 += p1[t1] * sp.dist_from_logits(m.next_logits([*ctx, int(t1)]), temperature).probs
+    make = {"fixed": lambda: _FixedDrafter([int(np.argsort(p2)[-3])]),
+            "model": lambda: ModelDrafter(Transformer.local(tiny_models["llama"]))}[drafter]
+    counts = np.zeros(p1.size, dtype=np.int64)
+    runs = 3000
+    stats = sp.SpecStats()
+    for seed in range(runs):
+        out = list(sp.generate(m, ctx, 3, temperature, seed=seed, stop_ids=[], drafter=make(), stats=stats))
+        counts[out[1]] += 1
+    assert stats.drafted == runs  # every second token went through the acceptance rule
+    assert 0 < stats.accepted < runs
+    ok, stat, crit = _chi_square_ok(counts, p2)
+    assert ok, (stat, crit)
+    assert not _chi_square_ok(counts, p1)[0]  # the test tells the two distributions apart
+
+
+def test_a_draft_model_with_another_tokenizer_is_refused(tmp_path, tiny_models):
+    from tokenizers import Tokenizer, models
+
+    tok = Vindex.open(tiny_models["gemma3"]).load_tokenizer()
+    other = Tokenizer(models.WordLevel(vocab={"x": 0, "y": 1}, unk_token="x"))
+    sp.check_draft_tokenizer(tok, Vindex.open(tiny_models["llama"]).load_tokenizer(), 10, 10)
+    with pytest.raises(LarqlError, match="same tokenizer"):
+        sp.check_draft_tokenizer(tok, other, 10, 2)
+    with pytest.raises(LarqlError, match="same tokenizer"):
+        sp.check_draft_tokenizer(tok, other, 10, 10)
