@@ -221,13 +221,14 @@ def test_sampled_speculation_keeps_the_models_distribution(tiny_models, drafter)
     p2 = np.zeros_like(p1)
     for t1 in np.nonzero(p1 > 1e-9)[0]:
         p2 += p1[t1] * sp.dist_from_logits(m.next_logits([*ctx, int(t1)]), temperature).probs
-    make = {"fixed": lambda: _FixedDrafter([int(np.argsort(p2)[-3])]),
-            "model": lambda: ModelDrafter(Transformer.local(tiny_models["llama"]))}[drafter]
+    # one drafter for every run: the model drafter rolls its cache back to the common prefix
+    draft = {"fixed": lambda: _FixedDrafter([int(np.argsort(p2)[-3])]),
+             "model": lambda: ModelDrafter(Transformer.local(tiny_models["llama"]))}[drafter]()
     counts = np.zeros(p1.size, dtype=np.int64)
     runs = 3000
     stats = sp.SpecStats()
     for seed in range(runs):
-        out = list(sp.generate(m, ctx, 3, temperature, seed=seed, stop_ids=[], drafter=make(), stats=stats))
+        out = list(sp.generate(m, ctx, 3, temperature, seed=seed, stop_ids=[], drafter=draft, stats=stats))
         counts[out[1]] += 1
     assert stats.drafted == runs  # every second token went through the acceptance rule
     assert 0 < stats.accepted < runs
@@ -246,3 +247,64 @@ def test_a_draft_model_with_another_tokenizer_is_refused(tmp_path, tiny_models):
         sp.check_draft_tokenizer(tok, other, 10, 2)
     with pytest.raises(LarqlError, match="same tokenizer"):
         sp.check_draft_tokenizer(tok, other, 10, 10)
+
+
+# -- larql-serve: drafts per sequence in the batching step (in-process grid) ---------------------
+
+# Repetitive prompts (drafts find matches) and not (no drafts): they share the steps.
+SERVE_PROMPTS = [IDS, [2, 4, 5, 6, 4, 5, 6, 4, 5], [7, 8, 9], [2, 3, 2, 3, 2, 3], [10, 11, 12, 13, 10, 11],
+                 [4], [20, 21, 22, 20, 21], [30, 31]]
+
+
+def _serve_app(vx_path, router_url, speculation):
+    from larql_edge.roles.serve.app import Limits, create_app, remote_engine, served_model
+    from larql_edge.testing.servers import ServerThread
+
+    vx = Vindex.open(vx_path)
+    engine = remote_engine(vx, router_url, None, timeout=30, retries=1)
+    served = served_model(vx, vx.load_tokenizer(), 96, None)
+    served.eos_ids = ()  # every sequence runs to max_tokens: more tokens to compare
+    return ServerThread(create_app(engine, served, Limits(context=96, max_active=8), speculation=speculation))
+
+
+def test_serve_speculation_gives_the_tokens_without_it_for_8_concurrent_streams(tiny_models):
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    from tests import _inproc
+
+    def run(url, prompt):
+        r = httpx.post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": 24, "temperature": 0,
+                                                        "logprobs": 1}, timeout=60)
+        assert r.status_code == 200, r.text
+        c = r.json()["choices"][0]
+        return c["text"], c["logprobs"]["tokens"], c["logprobs"]["token_logprobs"]
+
+    with _inproc.grid(tiny_models["gemma3"], ["0-0", "1-1"]) as g:
+        with _serve_app(tiny_models["gemma3"], g["router"].url, sp.Settings(enabled=False)) as off:
+            want = [run(off.url, p) for p in SERVE_PROMPTS]
+            assert httpx.get(off.url + "/v1/stats").json()["speculation"]["enabled"] is False
+        with _serve_app(tiny_models["gemma3"], g["router"].url, sp.Settings(max_k=4)) as on:
+            with ThreadPoolExecutor(8) as pool:
+                got = list(pool.map(lambda p: run(on.url, p), SERVE_PROMPTS))
+            stats = httpx.get(on.url + "/v1/stats").json()
+            import time
+
+            time.sleep(1.2)  # the metrics flusher
+            metrics = httpx.get(on.url + "/metrics").text
+    assert [g[:2] for g in got] == [w[:2] for w in want]
+    for g_, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g_[2], w[2], atol=1e-4)
+    assert stats["speculation"] == {"enabled": True, "drafter": "ngram", "max_k": 4, "ngram": [2, 4], "adaptive": True}
+    spec = stats["scheduler"]["speculation"]
+    assert spec["drafted_tokens"] > 0 and 0 < spec["accepted_tokens"] <= spec["drafted_tokens"]
+    # accepted drafts are tokens without a step of their own
+    generated = stats["scheduler"]["generated_tokens"]
+    assert generated == 24 * len(SERVE_PROMPTS)
+    assert stats["scheduler"]["steps"] <= generated - spec["accepted_tokens"]
+    for name in ("larql_serve_speculative_drafted_tokens_total", "larql_serve_speculative_accepted_tokens_total",
+                 "larql_serve_step_positions_bucket"):
+        assert name in metrics, name
+    drafted = [line for line in metrics.splitlines() if line.startswith("larql_serve_speculative_drafted_tokens_total")]
+    assert float(drafted[0].split()[-1]) == spec["drafted_tokens"]
