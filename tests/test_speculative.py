@@ -308,3 +308,53 @@ def test_serve_speculation_gives_the_tokens_without_it_for_8_concurrent_streams(
         assert name in metrics, name
     drafted = [line for line in metrics.splitlines() if line.startswith("larql_serve_speculative_drafted_tokens_total")]
     assert float(drafted[0].split()[-1]) == spec["drafted_tokens"]
+
+
+# -- larql generate's flags (in process, tiny models) --------------------------------------------
+
+
+def test_larql_generate_speculates_by_default_and_gives_the_tokens_without(tiny_models, monkeypatch):
+    import json
+
+    from tests._cli import larql
+
+    v = str(tiny_models["gemma3"])
+    prompt = "the capital of france is the capital of france is the"
+    on = larql("generate", "--vindex", v, "--prompt", prompt, "--max-tokens", "12", "--json")
+    off = larql("generate", "--vindex", v, "--prompt", prompt, "--max-tokens", "12", "--json", "--no-speculate")
+    drafted = larql("generate", "--vindex", v, "--prompt", prompt, "--max-tokens", "12", "--json",
+                    "--draft", str(tiny_models["llama"]), "--temperature", "0.8", "--seed", "3")
+    assert on.returncode == off.returncode == drafted.returncode == 0, on.stderr + off.stderr + drafted.stderr
+    a, b = json.loads(on.stdout), json.loads(off.stdout)
+    assert a["generated_ids"] == b["generated_ids"] and a["speculation"]["drafter"] == "ngram"
+    assert b["speculation"] is None
+    assert json.loads(drafted.stdout)["speculation"]["drafter"] == "model"
+    monkeypatch.setenv("LARQL_SPECULATE", "false")  # the flag's environment twin
+    assert json.loads(larql("generate", "--vindex", v, "--prompt", prompt, "--max-tokens", "2", "--json").stdout
+                      )["speculation"] is None
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--spec-k", "0"], "--spec-k must be between 1 and 16"),
+    (["--spec-k", "99"], "--spec-k must be between 1 and 16"),
+    (["--draft", "VX", "--no-speculate"], "cannot go with --no-speculate"),
+    (["--draft", "/nonexistent/draft.vindex"], "--draft: /nonexistent/draft.vindex"),
+])
+def test_larql_generate_refuses_bad_speculation_flags_in_one_line(tiny_models, args, message):
+    from tests._cli import larql
+
+    args = [str(tiny_models["llama"]) if a == "VX" else a for a in args]
+    r = larql("generate", "--vindex", str(tiny_models["gemma3"]), "--prompt", "the", "--max-tokens", "2", *args)
+    assert r.returncode != 0
+    assert message in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_a_draft_vindex_without_ffn_weights_is_refused(tiny_models, tmp_path):
+    from tests._cli import larql, slicer
+
+    out = tmp_path / "attn"
+    assert slicer("slice", str(tiny_models["llama"]), "-o", str(out), "--preset", "attn").returncode == 0
+    r = larql("generate", "--vindex", str(tiny_models["gemma3"]), "--prompt", "the", "--max-tokens", "2",
+              "--draft", str(out))
+    assert r.returncode != 0 and "--draft" in r.stderr and "Traceback" not in r.stderr, r.stderr

@@ -129,7 +129,10 @@ def build_drafter(path: str, model, tok):
     from larql_edge.model.forward import Transformer
     from larql_edge.model.speculative import ModelDrafter, check_draft_tokenizer
 
-    vx = Vindex.open(path)
+    try:
+        vx = Vindex.open(path)
+    except VindexError as e:
+        raise VindexError(f"--draft: {e}") from None
     try:
         draft = Transformer.local(vx)
     except VindexError as e:
