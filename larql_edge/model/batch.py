@@ -160,7 +160,9 @@ class BatchEngine:
         if not chunks:
             return []
         h = self.forward(chunks)
-        wanted, counts, at = [], [], 0
+        wanted: list[int] = []
+        counts: list[int] = []
+        at = 0
         for c in chunks:
             at += len(c.ids)
             n = min(max(1, c.logit_rows), len(c.ids)) if c.wants_logits else 0
