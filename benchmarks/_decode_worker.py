@@ -39,10 +39,10 @@ def main() -> int:
     args = ap.parse_args()
     ids = [int(i) for i in args.prompt_ids.split(",")] if args.prompt_ids else PROMPT
     if args.ffn:
+        from larql_edge.net.remote import RemoteSettings
         from larql_edge.roles.client._build import build_remote
 
-        ns = argparse.Namespace(embed=args.embed, ffn=args.ffn, ffn_f16=False, timeout=120.0, retries=2, logits_top_k=64)
-        model = build_remote(Vindex.open(args.vindex), ns)
+        model = build_remote(Vindex.open(args.vindex), RemoteSettings(ffn=args.ffn, embed=args.embed, timeout=120.0, retries=2))
     else:
         model = Transformer.local(args.vindex)
     rates, out = [], []

@@ -33,6 +33,7 @@ from _support import median_ms, tree_rss  # noqa: E402  (benchmarks/ is the scri
 from larql_edge.format.layers import split_even  # noqa: E402
 from larql_edge.format.vindex import Vindex  # noqa: E402
 from larql_edge.model.forward import Transformer  # noqa: E402
+from larql_edge.net.remote import RemoteSettings  # noqa: E402
 from larql_edge.roles.client._build import build_remote  # noqa: E402
 from larql_edge.tools.grid.cli import role_vindexes  # noqa: E402
 from larql_edge.tools.grid.supervisor import Supervisor, pick_ports, role_env  # noqa: E402
@@ -44,10 +45,8 @@ TEXT = ("The history of the city begins with a small settlement on the river, wh
         "for its museums, its bridges and the long walks along the water that visitors remember.")
 
 
-def remote_args(**kw):
-    base = dict(embed=None, ffn=None, ffn_f16=False, timeout=120.0, retries=4)
-    base.update(kw)
-    return argparse.Namespace(**base)
+def remote_args(**kw) -> RemoteSettings:
+    return RemoteSettings(**{"timeout": 120.0, "retries": 4, **kw})
 
 
 def decode_rate(model: Transformer, ids: list[int], tokens: int) -> float:
@@ -70,11 +69,11 @@ def prefill_seconds(model: Transformer, ids: list[int]) -> float:
 def client_rss_mb(vindex: Path, router: str) -> float:
     """Peak RSS of an attention-only client process running one prediction through the grid."""
     code = (
-        "import argparse, psutil\n"
+        "import psutil\n"
         "from larql_edge.roles.client._build import build_remote\n"
         "from larql_edge.format.vindex import Vindex\n"
-        f"m = build_remote(Vindex.open({str(vindex)!r}), argparse.Namespace(embed=None, ffn={router!r}, "
-        "ffn_f16=False, timeout=120.0, retries=2))\n"
+        "from larql_edge.net.remote import RemoteSettings\n"
+        f"m = build_remote(Vindex.open({str(vindex)!r}), RemoteSettings(ffn={router!r}, timeout=120.0, retries=2))\n"
         "m.next_logits([2, 818, 5279, 529, 7001, 563])\n"
         "mi = psutil.Process().memory_info()\n"
         "print(mi.rss / 2**20)\n"

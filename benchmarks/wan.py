@@ -49,6 +49,7 @@ from larql_edge.format.layers import split_even  # noqa: E402
 from larql_edge.format.vindex import Vindex  # noqa: E402
 from larql_edge.model.forward import Transformer  # noqa: E402
 from larql_edge.net import h1_sync  # noqa: E402
+from larql_edge.net.remote import RemoteSettings  # noqa: E402
 from larql_edge.roles.client._build import build_remote  # noqa: E402
 from larql_edge.tools.grid.cli import role_vindexes  # noqa: E402
 from larql_edge.tools.grid.supervisor import Supervisor, pick_ports, role_env  # noqa: E402
@@ -172,8 +173,10 @@ def speculation(model: Transformer, tok, args, counter: CountingTransport) -> di
     return out
 
 
-def remote_args(url: str):
-    return argparse.Namespace(embed=None, ffn=url, ffn_f16=False, timeout=120.0, retries=2, logits_top_k=64)
+def remote_args(url: str, direct: bool = False) -> RemoteSettings:
+    """Through the router by default: the delay proxy sits in front of it, and the direct path would
+    send walk-ffn straight to the shards on loopback, around the delay."""
+    return RemoteSettings(ffn=url, timeout=120.0, retries=2, direct=direct)
 
 
 def main() -> int:
@@ -233,15 +236,18 @@ def main() -> int:
         say(f"  machine: {os.cpu_count()} cores (shared), every process 1 BLAS thread; grid on loopback "
             f"(router + embed + 2 shards {', '.join(str(r) for r in ranges)})")
         say(f"  the delay proxy (its own process) sits between the client and the router: D ms added each "
-            f"way (jitter {args.jitter_ms:g} ms); router <-> shards stay on loopback")
+            f"way (jitter {args.jitter_ms:g} ms); router <-> shards stay on loopback; with the proxy the client "
+            "goes through the router (the direct path would go around the proxy)")
         say("")
 
         base = [decode(local, ids, args.tokens) for _ in range(args.rounds)]
         local_rate = max(b[1] for b in base)
         reference = base[0][2]
-        direct = build_remote(Vindex.open(paths["client"]), remote_args(router.url))
-        decode(direct, ids, 2)
-        direct_rate = max(decode(direct, ids, args.tokens)[1] for _ in range(args.rounds))
+        no_proxy = {}
+        for how in ("router", "direct"):  # no proxy: the grid's own cost, through the router or the direct path
+            m = build_remote(Vindex.open(paths["client"]), remote_args(router.url, direct=how == "direct"))
+            decode(m, ids, 2)
+            no_proxy[how] = max(decode(m, ids, args.tokens)[1] for _ in range(args.rounds))
 
         rows: list[dict] = []
         spec_rows: list[dict] = []
@@ -270,8 +276,10 @@ def main() -> int:
             f"{'TTFT':>8} {'round trips/token':>18}")
         say(f"{'local':>8} {'-':>6} {local_rate:7.1f} t/s {1.0:8.2f}x {1e3 / local_rate:8.1f} {'':>9} "
             f"{min(b[0] for b in base) * 1e3:6.0f}ms {'0 (one process)':>18}")
-        say(f"{'direct':>8} {'-':>6} {direct_rate:7.1f} t/s {direct_rate / local_rate:8.2f}x {1e3 / direct_rate:8.1f} "
-            f"{'':>9} {'':>8} {'(no proxy: its own cost)':>18}")
+        for how, rate in no_proxy.items():
+            note = "(no proxy, via router)" if how == "router" else f"(no proxy) {rate / no_proxy['router']:.2f}x router"
+            say(f"{how:>8} {'-':>6} {rate:7.1f} t/s {rate / local_rate:8.2f}x {1e3 / rate:8.1f} "
+                f"{'':>9} {'':>8} {note:>18}")
         for r in rows:
             model_ms = f"{(t0 + r['per_token'] * 2 * r['d'] / 1e3) * 1e3:8.1f}" if t0 else "       -"
             say(f"{r['d']:6.0f}ms {2 * r['d']:4.0f}ms {r['rate']:7.1f} t/s {r['rate'] / local_rate:8.2f}x "

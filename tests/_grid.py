@@ -203,11 +203,9 @@ def start_grid(procs: Procs, vindex: Path, ranges: list[str], *, replicas: int =
 
 
 def remote_args(**kw):
-    import argparse
+    from larql_edge.net.remote import RemoteSettings
 
-    base = dict(embed=None, ffn=None, ffn_f16=False, timeout=20.0, retries=4, logits_top_k=64)
-    base.update(kw)
-    return argparse.Namespace(**base)
+    return RemoteSettings(**{"timeout": 20.0, "retries": 4, **kw})
 
 
 class _Captured:

@@ -10,11 +10,11 @@ import shutil
 import numpy as np
 import pytest
 
-from larql_edge.errors import RemoteError
+from larql_edge.errors import ProtocolError, RemoteError
 from larql_edge.format.vindex import Vindex
 from larql_edge.model.forward import Transformer
 from larql_edge.roles.client._build import build_remote
-from larql_edge.roles.client.remote import parse_targets
+from larql_edge.wire.grid import parse_targets
 from tests import _inproc as inproc
 from tests._cli import larql
 from tests._grid import Procs, StubEmbed, remote_args, wait_grid
@@ -142,7 +142,7 @@ def test_parse_targets():
     assert [(x.url, str(x.layers) if x.layers else None) for x in t] == [
         ("http://a:1", None), ("http://b:2", "0-8"), ("https://c", "9-17")]
     for bad in ("a:1", "0-x=http://a", "ftp://x"):
-        with pytest.raises(RemoteError):
+        with pytest.raises(ProtocolError, match=f"--ffn entry '{bad}'"):
             parse_targets(bad)
 
 

@@ -213,3 +213,46 @@ def test_the_hop_timeout_grows_with_the_work_asked():
                 assert r.status_code == want, (per_row, r.text)
                 limits = httpx.get(router.url + "/v1/stats").json()["limits"]
                 assert limits["upstream_ms_per_row_layer"] == per_row
+
+
+def _serial_member(seconds_per_row: float) -> ServerThread:
+    """As `_slow_member`, but one request at a time (a shard's single compute thread): a request waits
+    for those ahead of it."""
+    import asyncio
+
+    app = Sanic("serial_member")
+    lock: list[asyncio.Lock] = []
+
+    @app.get("/v1/stats")
+    async def stats(request):
+        return json({"model": "gemma3-hf", "hidden_size": H, "num_layers": 2, "layer_start": 0, "layer_end": 1})
+
+    @app.post("/v1/walk-ffn")
+    async def walk(request):
+        if not lock:
+            lock.append(asyncio.Lock())
+        req = w.decode_request(request.body, H)
+        async with lock[0]:
+            await asyncio.sleep(seconds_per_row * req.seq_len * len(req.layers))
+        return raw(w.encode_response(req.layers[0], np.array(req.x), 1.0), content_type=w.CONTENT_TYPE)
+
+    return ServerThread(app)
+
+
+def test_the_routers_own_overload_is_not_blamed_on_a_member():
+    """Issue #19 (High): eight concurrent largest-legal requests all got 503 and the healthy shard was
+    marked failed: each request's hop timeout counted only its own work, not the work the router had
+    queued at the member ahead of it. Six requests that each fit their own timeout, queued at a member
+    that computes one at a time, now all answer 200 and the member is never failed."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    x = np.zeros((40, H), np.float32)  # 40 row-layers x 10 ms = 0.4 s of "compute" each, 2.4 s in all
+    with _serial_member(0.010) as member, \
+            inproc.router(static_ffn=[(None, member.url)], upstream_timeout=0.2, upstream_ms_per_row=15.0) as router:
+        wait_grid(router.url, members=1)
+        with ThreadPoolExecutor(6) as ex:
+            codes = list(ex.map(lambda _: httpx.post(router.url + "/v1/walk-ffn", content=w.encode_request(1, x),
+                                                     headers=BIN, timeout=60).status_code, range(6)))
+        assert codes == [200] * 6, codes
+        members = httpx.get(router.url + "/v1/grid").json()["members"]
+        assert [m["failures"] for m in members] == [0], members

@@ -15,6 +15,7 @@ import pytest
 
 from larql_edge.format.vindex import Vindex
 from larql_edge.model.batch import Chunk
+from larql_edge.net.remote import RemoteSettings
 from larql_edge.roles.serve.app import Limits, create_app, remote_engine, served_model
 from larql_edge.roles.serve.chat import ChatTemplate
 from larql_edge.testing.servers import ServerThread
@@ -33,7 +34,7 @@ def grid(tiny_models):
 
 def _serve(vx_path: Path, router_url: str, limits: Limits, chat: bool = False, eos: bool = True) -> ServerThread:
     vx = Vindex.open(vx_path)
-    engine = remote_engine(vx, router_url, None, timeout=30, retries=1)
+    engine = remote_engine(vx, RemoteSettings(ffn=router_url, timeout=30, retries=1))
     served = served_model(vx, vx.load_tokenizer(), limits.context, None)
     if chat:
         served.chat_template = ChatTemplate(TEMPLATE, "<bos>", "<eos>", origin="test")
@@ -166,7 +167,7 @@ def test_stop_strings_end_the_text_before_them(serve):
 
 def test_batched_sequences_give_the_tokens_each_gives_alone_and_one_ffn_request_per_layer_per_step(tiny_models, grid):
     vx = Vindex.open(tiny_models["gemma3"])
-    engine = remote_engine(vx, grid["router"].url, None, timeout=30, retries=1)
+    engine = remote_engine(vx, RemoteSettings(ffn=grid["router"].url, timeout=30, retries=1))
     layers = engine.spec.num_layers
     steps = 6
 
@@ -338,7 +339,7 @@ def test_many_rows_logits_are_the_single_rows_in_one_product(grid):
 
 def test_the_remote_head_splits_more_rows_than_the_embed_servers_batch(tiny_models, grid):
     vx = Vindex.open(tiny_models["gemma3"])
-    engine = remote_engine(vx, grid["router"].url, None, timeout=30, retries=1)
+    engine = remote_engine(vx, RemoteSettings(ffn=grid["router"].url, timeout=30, retries=1))
     x = np.random.default_rng(5).standard_normal((70, engine.spec.hidden_size)).astype(np.float32)
     many = engine.head.top_k_rows(x, 3)
     assert len(many) == 70

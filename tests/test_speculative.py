@@ -257,11 +257,12 @@ SERVE_PROMPTS = [IDS, [2, 4, 5, 6, 4, 5, 6, 4, 5], [7, 8, 9], [2, 3, 2, 3, 2, 3]
 
 
 def _serve_app(vx_path, router_url, speculation):
+    from larql_edge.net.remote import RemoteSettings
     from larql_edge.roles.serve.app import Limits, create_app, remote_engine, served_model
     from larql_edge.testing.servers import ServerThread
 
     vx = Vindex.open(vx_path)
-    engine = remote_engine(vx, router_url, None, timeout=30, retries=1)
+    engine = remote_engine(vx, RemoteSettings(ffn=router_url, timeout=30, retries=1))
     served = served_model(vx, vx.load_tokenizer(), 96, None)
     served.eos_ids = ()  # every sequence runs to max_tokens: more tokens to compare
     return ServerThread(create_app(engine, served, Limits(context=96, max_active=8), speculation=speculation))

@@ -23,43 +23,20 @@ from typing import TypeVar
 import numpy as np
 
 from larql_edge.errors import RemoteError, WireError
-from larql_edge.format.layers import LayerRange
+from larql_edge.format.layers import gaps
+from larql_edge.net.direct import DirectPath
 from larql_edge.net.failures import is_caller_mistake, is_success
 from larql_edge.net.h1 import Reply, TransportError, describe, error_text
 from larql_edge.net.h1_sync import HttpClient
+from larql_edge.net.hops import Hedger, Hop, HopLog, server_seconds
 from larql_edge.wire import embed as embed_wire
 from larql_edge.wire import ffn as ffn_wire
+from larql_edge.wire.grid import Target, parse_targets
 
 T = TypeVar("T")
 
 BACKOFF_FIRST_S = 0.1
 BACKOFF_MAX_S = 2.0
-
-
-@dataclass(frozen=True)
-class Target:
-    url: str
-    layers: LayerRange | None = None  # None: every layer (a router, or a shard serving all)
-
-    def serves(self, layer: int) -> bool:
-        return self.layers is None or layer in self.layers
-
-
-def parse_targets(text: str) -> list[Target]:
-    """``"URL"``, ``"URL1,URL2"`` (replicas) or ``"0-8=URL,9-17=URL"`` (shards by layer range)."""
-    out = []
-    for part in filter(None, (p.strip() for p in (text or "").split(","))):
-        rng, sep, url = part.partition("=")
-        if not sep:
-            rng, url = "", part
-        url = url.strip().rstrip("/")
-        if not url.startswith(("http://", "https://")):
-            raise RemoteError(f"{part!r}: expected an http(s) URL (optionally prefixed with a layer range A-B=)")
-        try:
-            out.append(Target(url, LayerRange.parse(rng) if rng else None))
-        except ValueError as e:
-            raise RemoteError(str(e)) from None
-    return out
 
 
 class Replicas:
@@ -69,17 +46,22 @@ class Replicas:
     warm keep-alive connection and a dead one costs one failed attempt, not one per request.
     """
 
-    def __init__(self, client: HttpClient, retries: int = 4, backoff: float = BACKOFF_FIRST_S, what: str = "server"):
+    def __init__(self, client: HttpClient, retries: int = 4, backoff: float = BACKOFF_FIRST_S, what: str = "server",
+                 hops: HopLog | None = None):
         self.client = client
         self.retries = max(0, retries)
         self.backoff = backoff
         self.what = what
+        self.hops = hops  # where answered hops are logged (timings), if anywhere
+        self.on_success: Callable[[str, float], None] | None = None  # (url, seconds): the direct path learns speeds
+        self.on_failure: Callable[[str], None] | None = None
         self._preferred: dict[tuple[str, ...], str] = {}
         self.failovers = 0
 
     def request(self, urls: Sequence[str], method: str, path: str, *, content: bytes | None = None,
                 headers: dict[str, str] | None = None, about: str = "",
-                decode: Callable[[Reply], T] = lambda r: r) -> T:  # type: ignore[assignment,return-value]
+                decode: Callable[[Reply], T] = lambda r: r,  # type: ignore[assignment,return-value]
+                hop: tuple[str, int | None] | None = None) -> T:
         """The first replica's decoded reply. ``decode`` raises `WireError` (or `RemoteError`) for a
         reply it cannot use: like a timeout, that is the replica's failure, and the next one is tried."""
         key = tuple(urls)
@@ -92,6 +74,7 @@ class Replicas:
         delay = self.backoff
         for attempt in range(self.retries + 1):
             url = order[attempt % len(order)]
+            t0 = time.perf_counter()
             try:
                 r = self.client.request(method, url + path, content=content, headers=headers)
             except TransportError as e:
@@ -104,12 +87,19 @@ class Replicas:
                         reasons.append(f"{url}: unusable reply ({e})")
                     else:
                         self._preferred[key] = url
+                        wall = time.perf_counter() - t0
+                        if self.hops is not None and hop is not None:
+                            self.hops.add(Hop(hop[0], hop[1], url, wall, server_seconds(r)))
+                        if self.on_success is not None:
+                            self.on_success(url, wall)
                         return value
                 elif is_caller_mistake(r.status_code):  # every replica would say the same: never retried
                     raise RemoteError(f"{self.what} {url}{path}{about}: HTTP {r.status_code}: {error_text(r)}")
                 else:
                     reasons.append(f"{url}: HTTP {r.status_code} {error_text(r)}".rstrip())
             self.failovers += 1
+            if self.on_failure is not None:
+                self.on_failure(url)
             if attempt < self.retries:
                 time.sleep(delay)
                 delay = min(delay * 2, BACKOFF_MAX_S)
@@ -132,7 +122,7 @@ class RemoteEmbed:
 
         return self.replicas.request(self.urls, "POST", "/v1/embed", content=embed_wire.encode_embed_request(ids),
                                      headers={"content-type": ffn_wire.CONTENT_TYPE, "accept": ffn_wire.CONTENT_TYPE},
-                                     decode=decode)
+                                     decode=decode, hop=("embed", None))
 
 
 class RemoteHead:
@@ -163,7 +153,7 @@ class RemoteHead:
 
         return self.replicas.request(self.urls, "POST", "/v1/logits", content=embed_wire.encode_logits_request(row),
                                      headers={"content-type": ffn_wire.CONTENT_TYPE, "accept": ffn_wire.CONTENT_TYPE},
-                                     decode=decode)
+                                     decode=decode, hop=("logits", None))
 
     def _top_k(self, row: np.ndarray) -> np.ndarray:
         def decode(r: Reply) -> np.ndarray:
@@ -183,7 +173,7 @@ class RemoteHead:
 
         body = json_lib.dumps({"residual": row.tolist(), "top_k": self.top_k, "temperature": 1.0}).encode()
         return self.replicas.request(self.urls, "POST", "/v1/logits", content=body,
-                                     headers={"content-type": "application/json"}, decode=decode)
+                                     headers={"content-type": "application/json"}, decode=decode, hop=("logits", None))
 
     def top_k_rows(self, h: np.ndarray, k: int) -> list[tuple[np.ndarray, np.ndarray]]:
         """The top ``k`` (ids, log-probabilities at temperature 1) of every row, in ONE request: the
@@ -212,7 +202,7 @@ class RemoteHead:
 
         return self.replicas.request(self.urls, "POST", f"/v1/logits?rows={rows.shape[0]}&top_k={k}&temperature=1",
                                      content=embed_wire.encode_logits_rows_request(rows),
-                                     headers={"content-type": ffn_wire.CONTENT_TYPE}, decode=decode)
+                                     headers={"content-type": ffn_wire.CONTENT_TYPE}, decode=decode, hop=("logits", None))
 
     def _raw_rows(self, rows: np.ndarray) -> np.ndarray | None:
         """Raw logits of several rows in ONE request (the many-rows form with the binary Accept):
@@ -255,10 +245,20 @@ class RemoteHead:
 
 
 class RemoteFfn:
-    """One round trip per layer: POST /v1/walk-ffn (binary) to a target serving that layer."""
+    """One round trip per layer: POST /v1/walk-ffn (binary) to a target serving that layer.
 
-    def __init__(self, replicas: Replicas, targets: Sequence[Target], hidden: int, num_layers: int, f16: bool = False):
+    With ``path`` enabled (`DirectPath`), the request goes straight to a live shard serving the layer,
+    learned from the routers, and through a router only when no shard can take it; with a `Hedger`
+    and two live shards for the layer, a hop slower than the learned threshold is sent to the second
+    one too and the first answer is taken.
+    """
+
+    def __init__(self, replicas: Replicas, targets: Sequence[Target], hidden: int, num_layers: int, f16: bool = False,
+                 path: DirectPath | None = None, hedger: Hedger | None = None):
         self.replicas, self.hidden, self.f16 = replicas, hidden, f16
+        self.path = path if path is not None else DirectPath(replicas.client, targets, num_layers, enabled=False)
+        self.hedger = hedger
+        replicas.on_success, replicas.on_failure = self.path.succeeded, self.path.failed
         self._urls = {layer: [t.url for t in targets if t.serves(layer)] for layer in range(num_layers)}
         self.headers = {"content-type": ffn_wire.CONTENT_TYPE,
                         "accept": ffn_wire.CONTENT_TYPE_F16 if f16 else ffn_wire.CONTENT_TYPE}
@@ -269,23 +269,103 @@ class RemoteFfn:
         return [layer for layer, urls in self._urls.items() if not urls]
 
     def ffn(self, layer: int, x: np.ndarray) -> np.ndarray:
-        urls = self._urls.get(layer)
-        if not urls:
+        if not self._urls.get(layer):
             raise RemoteError(f"no --ffn target serves layer {layer}")
         t0 = time.perf_counter()
+        x2 = np.atleast_2d(x)
 
         def decode(r: Reply) -> np.ndarray:
             f16 = r.headers.get("content-type", "").startswith(ffn_wire.CONTENT_TYPE_F16)
             got, out, _ = ffn_wire.decode_response(r.content, self.hidden, f16=f16)
-            if got != layer or out.shape != np.shape(np.atleast_2d(x)):
+            if got != layer or out.shape != x2.shape:
                 raise RemoteError(f"the reply is for layer {got} with shape {list(out.shape)}")
             return out
 
-        out = self.replicas.request(urls, "POST", "/v1/walk-ffn", content=ffn_wire.encode_request(layer, x),
-                                    headers=self.headers, about=f" (layer {layer})", decode=decode)
+        body = ffn_wire.encode_request(layer, x)
+        direct, fallback = self.path.urls(layer)
+        out = None
+        if self.hedger is not None and len(direct) >= 2:
+            out = self._hedged(layer, x2.shape[0], body, direct, decode)
+        if out is None:
+            out = self.replicas.request(direct + [u for u in fallback if u not in direct], "POST", "/v1/walk-ffn",
+                                        content=body, headers=self.headers, about=f" (layer {layer})", decode=decode,
+                                        hop=("ffn", layer))
         self.seconds += time.perf_counter() - t0
         self.calls += 1
         return out
+
+    def _hedged(self, layer: int, rows: int, body: bytes, urls: list[str],
+                decode: Callable[[Reply], np.ndarray]) -> np.ndarray | None:
+        hedger = self.hedger
+        assert hedger is not None
+
+        def send(url: str) -> tuple[np.ndarray, float, float | None]:
+            t0 = time.perf_counter()
+            try:
+                r = hedger.client().request("POST", url + "/v1/walk-ffn", content=body, headers=self.headers)
+                if not is_success(r.status_code):
+                    raise RemoteError(f"HTTP {r.status_code}")
+                value = decode(r)
+            except (TransportError, WireError, RemoteError):
+                self.path.failed(url)
+                raise
+            wall = time.perf_counter() - t0
+            self.path.succeeded(url, wall)
+            return value, wall, server_seconds(r)
+
+        got = hedger.run(rows, urls[0], urls[1], send, on_late=self.path.late)
+        if got is None:
+            return None  # every request sent failed: the usual failover (routers included) takes over
+        url, (value, wall, server), hedged = got
+        if self.replicas.hops is not None:
+            self.replicas.hops.add(Hop("ffn", layer, url, wall, server, hedged))
+        return value
+
+
+@dataclass(frozen=True)
+class RemoteSettings:
+    """Where the remote tiers are and how to talk to them: what `build_tiers` needs, parsed once
+    from the command line of `larql` or larql-serve (their flags carry the same names)."""
+
+    ffn: str | None = None  # a router or shard URL, replicas "URL1,URL2", or "0-8=URL,9-17=URL"
+    embed: str | None = None  # default: the --ffn router(s), which proxy the embed server
+    ffn_f16: bool = False
+    timeout: float = 30.0
+    retries: int = 10
+    logits_top_k: int = 64
+    direct: bool = True  # learn the shards from the routers and send each layer straight to one
+    hedge: bool = True  # a hop slower than the learned threshold goes to a second live replica too
+    hedge_budget: float = 20.0  # hedges per second, at most
+
+
+@dataclass
+class RemoteTiers:
+    embedder: "RemoteEmbed"
+    ffn: "RemoteFfn | None"  # None: no --ffn (the client then runs the FFN itself)
+    head: "RemoteHead"
+
+
+def build_tiers(s: RemoteSettings, hidden: int, num_layers: int, vocab: int,
+                notice: Callable[[str], None] | None = None, hops: HopLog | None = None) -> RemoteTiers:
+    """The remote providers of the forward pass, with one keep-alive client for all three tiers;
+    every way the targets fail to cover the model is a `RemoteError` saying which flag to fix."""
+    client = make_client(s.timeout)
+    ffn_targets = parse_targets(s.ffn, "--ffn") if s.ffn else []
+    embed_urls = [t.url for t in parse_targets(s.embed, "--embed")] if s.embed else [t.url for t in ffn_targets if t.layers is None]
+    if not embed_urls:
+        raise RemoteError("--embed URL is needed when --ffn names shards by layer range (a router URL serves both)")
+    ffn = None
+    if ffn_targets:
+        hedger = Hedger(lambda: make_client(s.timeout), s.hedge_budget) if s.hedge and s.direct else None
+        ffn = RemoteFfn(Replicas(client, s.retries, what="FFN", hops=hops), ffn_targets, hidden, num_layers,
+                        f16=s.ffn_f16, path=DirectPath(client, ffn_targets, num_layers, enabled=s.direct), hedger=hedger)
+        missing = ffn.missing_layers()
+        if missing:
+            holes = ", ".join(str(g) for g in gaps(set(range(num_layers)) - set(missing), num_layers))
+            raise RemoteError(f"no --ffn target serves layers {holes} (the model has {num_layers} layers)")
+    replicas = Replicas(client, s.retries, what="embed server", hops=hops)
+    return RemoteTiers(RemoteEmbed(replicas, embed_urls, hidden), ffn,
+                       RemoteHead(replicas, embed_urls, hidden, vocab, top_k=s.logits_top_k, notice=notice))
 
 
 def make_client(timeout: float) -> HttpClient:

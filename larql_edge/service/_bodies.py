@@ -12,6 +12,7 @@ RecursionError and a 500) and without the non-standard ``NaN``/``Infinity`` cons
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from larql_edge.errors import BadRequest, PayloadTooLarge, UnsupportedMediaType
@@ -21,6 +22,7 @@ BINARY_TYPES = frozenset({BINARY, "application/octet-stream", ""})
 MAX_JSON_DEPTH = 32
 
 JSON_KIND, BINARY_KIND = "json", "binary"
+_LONE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # any escaped surrogate: only then are strings checked
 
 
 def content_type(request) -> str:
@@ -53,14 +55,38 @@ def _check_depth(obj: Any, limit: int) -> None:
             stack.extend((v, depth + 1) for v in node if isinstance(v, (dict, list)))
 
 
+def _check_surrogates(obj: Any) -> None:
+    stack = [obj]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, str):
+            try:
+                node.encode("utf-8")
+            except UnicodeEncodeError:
+                raise BadRequest(f"the JSON body has a lone surrogate ({node[:40]!r}...): "
+                                 "a string must be Unicode text") from None
+        elif isinstance(node, dict):
+            stack.extend(node)
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+
+
 def parse_json(raw: bytes | str, max_depth: int = MAX_JSON_DEPTH) -> Any:
     try:
-        obj = json.loads(raw or b"", parse_constant=_refuse_constant)
+        # RFC 8259 §8.1: JSON between systems is UTF-8 (json.loads would guess UTF-16 and UTF-32 too).
+        text = raw.decode("utf-8") if isinstance(raw, (bytes, bytearray)) else raw
+        obj = json.loads(text or "", parse_constant=_refuse_constant)
     except RecursionError:
         raise BadRequest(f"the JSON body is nested more than {max_depth} levels deep") from None
-    except (ValueError, UnicodeDecodeError) as e:
+    except UnicodeDecodeError as e:
+        raise BadRequest(f"the JSON body is not UTF-8 ({e})") from None
+    except ValueError as e:
         raise BadRequest(f"malformed JSON body ({e})") from None
     _check_depth(obj, max_depth)
+    # An escaped lone surrogate ("\ud800") parses to a str no tokenizer, encoder or reply can take.
+    if "\\u" in text and _LONE_ESCAPE.search(text):
+        _check_surrogates(obj)
     return obj
 
 

@@ -91,6 +91,11 @@ def _add_to_histogram(child, counts: list[int], total: float) -> None:
             child.observe(bound)
 
 
+# The method label takes these values only: any other name a caller sends ("FOO", "X1", ...) is
+# "other", or every distinct name would add series for good (20,000 requests: a 41,000-line scrape).
+KNOWN_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "TRACE", "CONNECT"})
+
+
 class Metrics:
     """The metric families of one role. Create once per process (per worker)."""
 
@@ -240,7 +245,8 @@ class Metrics:
             status = response.status
             # request.ctx is made on first access: read it only for errors (the signal above set it).
             kind = getattr(request.ctx, "error_type", None) if status >= 400 else None
-            self.observe_request(label, request.method, status, time.perf_counter() - t0, kind)
+            method = request.method if request.method in KNOWN_METHODS else "other"
+            self.observe_request(label, method, status, time.perf_counter() - t0, kind)
 
         async def metrics_route(request):
             return raw(self.render(), content_type=self.CONTENT_TYPE)

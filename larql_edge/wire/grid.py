@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from larql_edge.errors import ProtocolError
+from larql_edge.format.layers import LayerRange
 from larql_edge.wire.numbers import json_int
 
 JOIN = "/v1/grid/join"
@@ -63,6 +64,69 @@ def check_url(url: str, what: str = '"public_url"') -> str:
     if parts.query or parts.fragment:
         raise ProtocolError(f"{what} must not carry a query or fragment")
     return url.rstrip("/")
+
+
+@dataclass(frozen=True)
+class Target:
+    """A server named on a command line: its URL, and the layers it serves (None: every layer, as a
+    router or a shard serving the whole model does)."""
+
+    url: str
+    layers: LayerRange | None = None
+
+    def serves(self, layer: int) -> bool:
+        return self.layers is None or layer in self.layers
+
+
+def parse_targets(text: str, what: str = "--ffn") -> list[Target]:
+    """``"URL"``, ``"URL1,URL2"`` (replicas) or ``"0-8=URL,9-17=URL"`` (by layer range): the one
+    parser of the router's ``--shards`` and the client's and larql-serve's ``--ffn``/``--embed``."""
+    out = []
+    for part in filter(None, (p.strip() for p in (text or "").split(","))):
+        rng, sep, url = part.partition("=")
+        if not sep:
+            rng, url = "", part
+        try:
+            layers = LayerRange.parse(rng) if rng else None
+        except ValueError as e:
+            raise ProtocolError(f"{what} entry {part!r}: {e}") from None
+        out.append(Target(check_url(url.strip(), f"{what} entry {part!r}"), layers))
+    return out
+
+
+# GET /v1/topology at a router: which live shard serves which layers, so clients can send each
+# layer's request straight to a shard (the direct data path) and keep the router as the fallback.
+TOPOLOGY = "/v1/topology"
+
+
+@dataclass(frozen=True)
+class Topology:
+    version: str  # changes whenever the shards or their ranges change
+    shards: tuple[Target, ...]
+    refresh_s: float  # how often a client should ask again (the grid's heartbeat interval)
+
+    def to_json(self) -> dict:
+        return {"version": self.version, "refresh_s": self.refresh_s,
+                "shards": [{"url": t.url, "layers": str(t.layers) if t.layers is not None else "all"} for t in self.shards]}
+
+    @classmethod
+    def from_json(cls, obj: object) -> "Topology":
+        if not isinstance(obj, dict) or not isinstance(obj.get("shards"), list):
+            raise ProtocolError('a topology is an object with a "shards" list')
+        shards = []
+        for s in obj["shards"][:MAX_LAYERS]:
+            if not isinstance(s, dict):
+                raise ProtocolError("a topology shard is an object")
+            rng = _str(s, "layers", limit=32)
+            try:
+                layers = None if rng == "all" else LayerRange.parse(rng)
+            except ValueError as e:
+                raise ProtocolError(str(e)) from None
+            shards.append(Target(check_url(_str(s, "url"), "a topology shard URL"), layers))
+        refresh = obj.get("refresh_s", 2.0)
+        if not isinstance(refresh, (int, float)) or isinstance(refresh, bool) or not 0 < refresh <= 3600:
+            raise ProtocolError('"refresh_s" must be a number of seconds, up to 3600')
+        return cls(_str(obj, "version", limit=128), tuple(shards), float(refresh))
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from larql_edge.config import Flags
 from larql_edge.errors import VindexError
 from larql_edge.format.vindex import Vindex
 from larql_edge.model.forward import Transformer
+from larql_edge.net.remote import RemoteSettings, build_tiers
 
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
@@ -36,12 +37,15 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
           "(on the next replica, with exponential backoff capped at 2 s: ~15 s in all by default)")
 
 
+def settings(args: argparse.Namespace) -> RemoteSettings:
+    return RemoteSettings(ffn=args.ffn, embed=args.embed, ffn_f16=args.ffn_f16, timeout=args.timeout,
+                          retries=args.retries, logits_top_k=args.logits_top_k)
 
 
 def build_model(args: argparse.Namespace):
     if not args.vindex:
         raise VindexError("--vindex is required (or set LARQL_VINDEX)")
-    remote = bool(getattr(args, "embed", None) or getattr(args, "ffn", None))
+    remote = bool(args.embed or args.ffn)
     threads = args.blas_threads or (1 if remote else None)
     if threads:
         from threadpoolctl import threadpool_limits
@@ -49,51 +53,21 @@ def build_model(args: argparse.Namespace):
         threadpool_limits(threads)
     vx = Vindex.open(args.vindex)
     if remote:
-        return build_remote(vx, args), vx.load_tokenizer()
+        return build_remote(vx, settings(args)), vx.load_tokenizer()
     return Transformer.local(vx), vx.load_tokenizer()
 
 
-def build_remote(vx: Vindex, args: argparse.Namespace) -> Transformer:
-    """Attention (and norms) from ``vx``; embeddings, logits and FFN from the remote tiers."""
+def build_remote(vx: Vindex, s: RemoteSettings) -> Transformer:
+    """Attention (and norms) from ``vx``; embeddings, logits and FFN from the remote tiers (the FFN
+    stays local without ``--ffn``)."""
     from larql_edge.model.backend import get_backend
     from larql_edge.model.forward import LocalFfn, load_attention
     from larql_edge.model.spec import ModelSpec
-    from larql_edge.roles.client.remote import (
-        RemoteEmbed,
-        RemoteError,
-        RemoteFfn,
-        RemoteHead,
-        Replicas,
-        make_client,
-        parse_targets,
-    )
 
     spec = ModelSpec.from_index(vx.index)
     be = get_backend()
-    client = make_client(args.timeout)
-    ffn_targets = parse_targets(args.ffn) if args.ffn else []
-    embed_urls = [t.url for t in parse_targets(args.embed)] if args.embed else [t.url for t in ffn_targets if t.layers is None]
-    if not embed_urls:
-        raise RemoteError("--embed URL is needed when --ffn names shards by layer range (a router URL serves both)")
-    if args.ffn:
-        remote_ffn = RemoteFfn(Replicas(client, args.retries, what="FFN"), ffn_targets, spec.hidden_size, spec.num_layers,
-                               f16=args.ffn_f16)
-        missing = remote_ffn.missing_layers()
-        if missing:
-            from larql_edge.format.layers import gaps
-
-            holes = ", ".join(str(g) for g in gaps(set(range(spec.num_layers)) - set(missing), spec.num_layers))
-            raise RemoteError(f"no --ffn target serves layers {holes} (the model has {spec.num_layers} layers)")
-        ffn: RemoteFfn | LocalFfn = remote_ffn
-    else:
-        ffn = LocalFfn(vx, spec, backend=be)
-    embed_replicas = Replicas(client, args.retries, what="embed server")
-    return Transformer(
-        spec=spec,
-        attn=load_attention(vx, spec, be),
-        embedder=RemoteEmbed(embed_replicas, embed_urls, spec.hidden_size),
-        ffn_provider=ffn,
-        head=RemoteHead(embed_replicas, embed_urls, spec.hidden_size, spec.vocab_size, top_k=args.logits_top_k,
-                        notice=lambda text: print(f"larql: {text}", file=sys.stderr)),
-        backend=be,
-    )
+    tiers = build_tiers(s, spec.hidden_size, spec.num_layers, spec.vocab_size,
+                        notice=lambda text: print(f"larql: {text}", file=sys.stderr))
+    return Transformer(spec=spec, attn=load_attention(vx, spec, be), embedder=tiers.embedder,
+                       ffn_provider=tiers.ffn if tiers.ffn is not None else LocalFfn(vx, spec, backend=be),
+                       head=tiers.head, backend=be)

@@ -13,25 +13,10 @@ import sys
 
 from larql_edge.config import Flags
 from larql_edge.errors import LarqlError
-from larql_edge.format.layers import LayerRange
 from larql_edge.service import add_server_flags, pin_blas, serve, setup_logging
-from larql_edge.wire.grid import check_url
+from larql_edge.wire.grid import check_url, parse_targets
 
 log = logging.getLogger("larql.router")
-
-
-def parse_shards(text: str) -> list[tuple[LayerRange | None, str]]:
-    """``"0-8=URL,9-17=URL"`` (a bare ``URL`` serves every layer) -> [(range or None, url)]."""
-    out = []
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        rng, sep, url = part.partition("=")
-        if not sep:
-            rng, url = "", part
-        try:
-            out.append((LayerRange.parse(rng) if rng else None, check_url(url.strip(), "the URL")))
-        except (ValueError, LarqlError) as e:
-            raise ValueError(f"--shards entry {part!r}: {e}") from None
-    return out
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -67,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.upstream_timeout <= 0 or args.max_body < 1 or args.max_reply_bytes < 1 or args.upstream_ms_per_row < 0:
         parser.error("--upstream-timeout, --max-body and --max-reply-bytes must be positive, --upstream-ms-per-row >= 0")
     try:
-        shards = parse_shards(args.shards)
+        shards = parse_targets(args.shards, "--shards")
         embeds = [check_url(u.strip(), "--embed") for u in args.embed.split(",") if u.strip()]
     except (ValueError, LarqlError) as e:
         parser.error(str(e))
@@ -77,8 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     from larql_edge.roles.router.registry import Registry
 
     registry = Registry(heartbeat_interval=args.heartbeat_interval, evict_after=args.evict_after)
-    for rng, url in shards:
-        registry.add_static("ffn", url, rng)
+    for t in shards:
+        registry.add_static("ffn", t.url, t.layers)
     for url in embeds:
         registry.add_static("embed", url)
     limits = Limits(max_body=args.max_body, max_reply_bytes=args.max_reply_bytes, upstream_timeout=args.upstream_timeout,

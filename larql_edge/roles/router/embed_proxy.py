@@ -20,7 +20,7 @@ from sanic.request import Request
 from sanic.response import HTTPResponse, raw
 
 from larql_edge.errors import BadRequest, NotFound, ServiceUnavailable
-from larql_edge.roles.router.upstream import MemberFailed, forward_headers, reply_headers
+from larql_edge.roles.router.upstream import FORWARD_REQUEST_HEADERS, MemberFailed, forward_headers, reply_headers
 
 MAX_TRIES = 3
 _TOKEN = re.compile(r"^[0-9]{1,10}(\.json)?$")
@@ -36,9 +36,7 @@ async def _forward(request: Request, path: str) -> HTTPResponse:
     registry, upstream = request.app.ctx.registry, request.app.ctx.upstream
     tried: set[str] = set()
     reasons: list[str] = []
-    headers = forward_headers(request.headers)
-    if MODEL_HEADER in request.headers:  # the unprefixed routes' model choice
-        headers[MODEL_HEADER] = request.headers[MODEL_HEADER]
+    headers = forward_headers(request.headers, FORWARD_REQUEST_HEADERS + (MODEL_HEADER,))  # the model choice too
     for _ in range(MAX_TRIES):
         cands = registry.embed_candidates(exclude=tried)
         if not cands:

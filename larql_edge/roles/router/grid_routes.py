@@ -18,7 +18,7 @@ from sanic.response import HTTPResponse, json
 
 from larql_edge.errors import BadRequest, Conflict, NotFound, TransportError, Unauthorized
 from larql_edge.service import JSON_KIND, body_kind, parse_json, read_body
-from larql_edge.wire.grid import HEARTBEAT, JOIN, LEAVE, Announce, Load
+from larql_edge.wire.grid import HEARTBEAT, JOIN, LEAVE, TOPOLOGY, Announce, Load
 
 from .registry import model_facts
 
@@ -109,3 +109,9 @@ async def leave(request: Request) -> HTTPResponse:
 @bp.get("/v1/grid", name="grid")
 async def grid(request: Request) -> HTTPResponse:
     return json(request.app.ctx.registry.view())
+
+
+@bp.get(TOPOLOGY, name="topology")
+async def topology(request: Request) -> HTTPResponse:
+    """Which live shard serves which layers: the direct data path's map (the router stays its fallback)."""
+    return json(request.app.ctx.registry.topology().to_json())

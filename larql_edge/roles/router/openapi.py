@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from larql_edge.wire.embed_api import EmbedApi
 from larql_edge.wire.ffn_api import WalkApi
-from larql_edge.wire.grid import HEARTBEAT, JOIN, LEAVE, MAX_HIDDEN, MAX_INFLIGHT, MAX_LAYERS
+from larql_edge.wire.grid import HEARTBEAT, JOIN, LEAVE, MAX_HIDDEN, MAX_INFLIGHT, MAX_LAYERS, TOPOLOGY
 from larql_edge.wire.openapi import JSON, document, err, main, ok, ops_paths, ref
 
 NO_MEMBER = "No live member can answer (a layer without a live shard, no embed server), or every one tried failed"
@@ -77,6 +77,9 @@ def openapi_spec(deployment: dict | None = None) -> dict:
                                {"403": err("Not this member's token"), "404": err("Unknown member")})
     paths["/v1/grid"] = {"get": {"summary": "Members, coverage and gaps", "operationId": "grid", "tags": ["grid"],
                                  "responses": {"200": ok("The grid", ref("Grid"))}}}
+    paths[TOPOLOGY] = {"get": {"summary": "Live FFN shards and their layers (the direct data path's map)",
+                               "operationId": "topology", "tags": ["grid"],
+                               "responses": {"200": ok("The topology", ref("Topology"))}}}
     paths.update(ops_paths("router", ref("Ready"), ref("Stats"), "Draining"))
     integer, number, string = {"type": "integer"}, {"type": "number"}, {"type": "string"}
     opt_int = {"type": ["integer", "null"]}
@@ -121,6 +124,17 @@ def openapi_spec(deployment: dict | None = None) -> dict:
             "type": "object",
             "required": ["member_id"],
             "properties": {"member_id": {"type": "string", "minLength": 1, "maxLength": 64}, "member_token": string},
+        },
+        "Topology": {
+            "type": "object",
+            "required": ["version", "refresh_s", "shards"],
+            "properties": {
+                "version": {"type": "string", "description": "Changes whenever a shard or its range changes"},
+                "refresh_s": {"type": "number", "description": "How often a client should ask again"},
+                "shards": {"type": "array", "items": {
+                    "type": "object", "required": ["url", "layers"],
+                    "properties": {"url": string, "layers": {"type": "string", "description": "A-B (inclusive) or all"}}}},
+            },
         },
         "Grid": {
             "type": "object",

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from larql_edge.errors import Conflict, Forbidden
 from larql_edge.format.layers import LayerRange, gaps
-from larql_edge.wire.grid import Announce, Load
+from larql_edge.wire.grid import Announce, Load, Target, Topology
 
 
 def model_facts(stats: dict) -> dict[str, str | int]:
@@ -61,6 +61,7 @@ class Member:
     layer_latency_ms: dict[int, float] = field(default_factory=dict)
     # What the router itself observes.
     inflight: int = 0
+    inflight_work: int = 0  # rows x layers of the walks in flight to it (their replies' wait, walk._post)
     requests: int = 0
     failures: int = 0
     consecutive_failures: int = 0
@@ -263,6 +264,17 @@ class Registry:
             return []
         replicas = self._replicas(self.clock())
         return gaps({layer for layer, c in replicas.items() if c > 0}, n)
+
+    def topology(self) -> Topology:
+        """The live FFN members and their layers, for clients that send each layer straight to a shard.
+        A member in cooldown is left out (clients fall back to this router for its layers), so a
+        failure the router noticed reaches the clients at their next refresh."""
+        now = self.clock()
+        shards = tuple(sorted((Target(m.url, m.layers) for m in self.members.values()
+                               if m.capability == "ffn" and m.available(now)),
+                              key=lambda t: (t.layers.start if t.layers else -1, t.url)))
+        version = hashlib.sha256(repr([(t.url, str(t.layers)) for t in shards]).encode()).hexdigest()[:16]
+        return Topology(version, shards, self.heartbeat_interval)
 
     def view(self) -> dict:
         now = self.clock()

@@ -11,10 +11,11 @@ from __future__ import annotations
 import logging
 import time
 
-from larql_edge.roles.router.registry import Member, Registry
+from larql_edge.errors import BadRequest
 from larql_edge.net.failures import is_member_failure
 from larql_edge.net.h1 import Reply, TransportError, describe, error_text
 from larql_edge.net.h1_async import H1Pool
+from larql_edge.roles.router.registry import Member, Registry
 
 log = logging.getLogger("larql.router")
 
@@ -80,8 +81,14 @@ class Upstream:
         log.warning("member %s (%s) failed: %s; cooling down", m.url, m.capability, why)
 
 
-def forward_headers(headers) -> dict[str, str]:
-    return {k: headers[k] for k in FORWARD_REQUEST_HEADERS if k in headers}
+def forward_headers(headers, names: tuple[str, ...] = FORWARD_REQUEST_HEADERS) -> dict[str, str]:
+    """The caller's headers a member needs. Sanic hands over undecodable bytes as non-Latin-1
+    characters that no HTTP request can carry: the caller's mistake, a 400, never a 500."""
+    out = {k: headers[k] for k in names if k in headers}
+    for k, v in out.items():
+        if not v.isascii() or not v.isprintable():
+            raise BadRequest(f"the {k} header is not printable ASCII")
+    return out
 
 
 def reply_headers(r: Reply) -> dict[str, str]:

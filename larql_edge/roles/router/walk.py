@@ -20,10 +20,10 @@ from sanic.request import Request
 from sanic.response import HTTPResponse, json, raw
 
 from larql_edge.errors import BadRequest, PayloadTooLarge, ServiceUnavailable
+from larql_edge.net.h1 import Reply
 from larql_edge.roles.router.registry import Member, Registry
 from larql_edge.roles.router.upstream import MemberFailed, forward_headers
 from larql_edge.service import JSON_KIND, body_kind, parse_json
-from larql_edge.net.h1 import Reply
 from larql_edge.wire import ffn as wire
 from larql_edge.wire.numbers import json_int
 
@@ -119,9 +119,15 @@ def _json_rows(obj: dict, hidden: int | None) -> int:
 async def _post(ctx, m: Member, content: bytes, headers: dict, row_layers: int) -> Reply:
     """One group to one member: its 2xx comes back, the caller's mistake (400, 413) goes back to
     the caller as it is, anything else already raised MemberFailed (`larql_edge.net.failures`).
-    The wait scales with the work asked (`Limits.hop_timeout`)."""
-    r = await ctx.upstream.send(m, "POST", PATH, content=content, headers=headers,
-                                timeout=ctx.limits.hop_timeout(row_layers))
+    The wait scales with the work asked (`Limits.hop_timeout`), including the work this router already
+    has in flight to the member: a request queued behind others there waits for theirs, and a timeout
+    caused by the router's own load is not the member's failure."""
+    timeout = ctx.limits.hop_timeout(row_layers + m.inflight_work)
+    m.inflight_work += row_layers
+    try:
+        r = await ctx.upstream.send(m, "POST", PATH, content=content, headers=headers, timeout=timeout)
+    finally:
+        m.inflight_work -= row_layers
     if r.status_code != 200:
         raise Passthrough(r)
     return r

@@ -80,6 +80,11 @@ def _bool(body: dict, name: str) -> bool:
     return v
 
 
+def _rng_seed(seed: int | None) -> int | None:
+    """numpy takes non-negative seeds: a negative one goes above 2**64, so x and -x differ."""
+    return seed if seed is None or seed >= 0 else (1 << 64) - seed
+
+
 @dataclass
 class Common:
     model: str
@@ -129,7 +134,7 @@ def common(body: dict, model_id: str, max_tokens_name: str = "max_tokens", names
         if seed is None or not -(2**63) <= seed < 2**64:
             raise bad("seed must be an integer in [-2**63, 2**64)", "seed", "invalid_type")
     return Common(model_id, max_tokens, _number(body, "temperature", 1.0, 0.0, 2.0),
-                  _number(body, "top_p", 1.0, 0.0, 1.0) or 1e-9, None if seed is None else abs(seed), stops, stream,
+                  _number(body, "top_p", 1.0, 0.0, 1.0) or 1e-9, _rng_seed(seed), stops, stream,
                   include_usage, None)
 
 

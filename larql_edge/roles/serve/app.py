@@ -18,6 +18,8 @@ from sanic.request import Request
 from larql_edge.format.vindex import Vindex
 from larql_edge.model.batch import BatchEngine, kv_bytes_per_token
 from larql_edge.model.speculative import Settings
+from larql_edge.model.tokens import TextBound
+from larql_edge.net.remote import RemoteSettings, build_tiers
 from larql_edge.service import Hooks, make_app
 
 from .api import openai_error_body
@@ -57,6 +59,9 @@ class Served:
     eos_ids: tuple[int, ...]
     names: frozenset[str] = frozenset()  # every name a request may give for the model (model_id too)
     created: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self) -> None:
+        self.bound = TextBound(self.tokenizer)  # a prompt longer than this is refused untokenized
 
 
 def effective_limits(limits: Limits, spec) -> Limits:
@@ -125,30 +130,20 @@ def create_app(engine: BatchEngine, served: Served, limits: Limits, name: str = 
     return app
 
 
-def remote_engine(vx: Vindex, ffn: str, embed: str | None, timeout: float = 60.0, retries: int = 10) -> BatchEngine:
-    """Attention here; embeddings and logits from ``embed`` (default: the ``ffn`` router, which proxies
-    the embed server), the FFN of each layer from ``ffn`` (router URLs, replicas failing over)."""
+def remote_engine(vx: Vindex, s: RemoteSettings) -> BatchEngine:
+    """Attention here; embeddings and logits from ``s.embed`` (default: the ``s.ffn`` router, which
+    proxies the embed server), the FFN of each layer from ``s.ffn``."""
     from larql_edge.errors import RemoteError
     from larql_edge.model.backend import get_backend
     from larql_edge.model.forward import load_attention
     from larql_edge.model.spec import ModelSpec
-    from larql_edge.net.remote import RemoteEmbed, RemoteFfn, RemoteHead, Replicas, make_client, parse_targets
 
     spec = ModelSpec.from_index(vx.index)
     be = get_backend()
-    client = make_client(timeout)
-    targets = parse_targets(ffn)
-    embed_urls = [t.url for t in parse_targets(embed)] if embed else [t.url for t in targets if t.layers is None]
-    if not embed_urls:
-        raise RemoteError("--embed URL is needed when --ffn names shards by layer range (a router URL serves both)")
-    remote_ffn = RemoteFfn(Replicas(client, retries, what="FFN"), targets, spec.hidden_size, spec.num_layers)
-    if remote_ffn.missing_layers():
-        raise RemoteError(f"no --ffn target serves layers {remote_ffn.missing_layers()}")
-    replicas = Replicas(client, retries, what="embed server")
-    return BatchEngine(spec, load_attention(vx, spec, be), RemoteEmbed(replicas, embed_urls, spec.hidden_size), remote_ffn,
-                       RemoteHead(replicas, embed_urls, spec.hidden_size, spec.vocab_size), be)
-
-
+    tiers = build_tiers(s, spec.hidden_size, spec.num_layers, spec.vocab_size)
+    if tiers.ffn is None:
+        raise RemoteError("--ffn is required")
+    return BatchEngine(spec, load_attention(vx, spec, be), tiers.embedder, tiers.ffn, tiers.head, be)
 
 
 def served_model(vx: Vindex, tokenizer, context: int, chat_template_file: str | None,

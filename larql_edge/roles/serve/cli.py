@@ -75,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--spec-k must be between 1 and {MAX_SPEC_K}")
     pin_blas(args.blas_threads)
     from larql_edge.format.vindex import Vindex
+    from larql_edge.net.remote import RemoteSettings
     from larql_edge.roles.serve.app import (
         Limits,
         create_app,
@@ -88,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         mc = vx.index.model_config
         model_ctx = (mc.max_position_embeddings if mc is not None else None) or Limits().context
         context = args.context or min(model_ctx, Limits().context)
-        engine = remote_engine(vx, args.ffn, args.embed, args.timeout, args.retries)
+        engine = remote_engine(vx, RemoteSettings(ffn=args.ffn, embed=args.embed, timeout=args.timeout, retries=args.retries))
         limits = effective_limits(Limits(args.max_active, args.max_queue, context, args.kv_memory_mb << 20,
                                          args.step_tokens), engine.spec)
         if limits.max_active < 1:

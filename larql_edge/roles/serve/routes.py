@@ -19,6 +19,7 @@ from sanic.request import Request
 from sanic.response import HTTPResponse, json
 
 from larql_edge.errors import BadRequest, LarqlError
+from larql_edge.model import tokens
 from larql_edge.service import JSON_KIND, body_kind, json_object
 
 from . import api
@@ -44,9 +45,13 @@ def _prompt_ids(served, prompt: str | list[int], chat: bool) -> list[int]:
         if min(prompt) < 0 or max(prompt) >= served.vocab:
             raise api.bad(f"prompt token ids must be in [0, {served.vocab})", "prompt")
         return prompt
+    if served.bound.exceeds(prompt, served.context):  # more tokens than the context whatever it encodes to
+        raise api.bad(f"the prompt is {len(prompt)} characters, more than this model's context of {served.context} "
+                      f"tokens can hold (at most {served.bound.chars(served.context)} characters)",
+                      "messages" if chat else "prompt", "context_length_exceeded")
     # Chat text carries its own special tokens (the template's bos_token): as transformers'
     # apply_chat_template, it is encoded without adding them again.
-    ids = served.tokenizer.encode(prompt, add_special_tokens=not chat).ids
+    ids = tokens.encode(served.tokenizer, prompt, add_special_tokens=not chat)
     if not ids:
         raise api.bad("the prompt encodes to no tokens", "prompt")
     return ids

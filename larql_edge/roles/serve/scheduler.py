@@ -170,7 +170,10 @@ class Scheduler:
 
     def admit(self, seq: Seq) -> None:
         with self._cond:
-            if self.active_count >= self.max_active and self.queued_count >= self.max_queue:
+            # Waiting sequences take the free slots first (at the next step); what is left waits in
+            # the queue, and only max_queue may: a burst beside one busy slot is not all admitted.
+            free = max(0, self.max_active - self.active_count)
+            if self.queued_count >= free + self.max_queue:
                 raise TooManyRequests(f"{self.max_active} sequences are active and {self.max_queue} queued: "
                                       "retry shortly", retry_after=1.0)
             self.waiting.append(seq)

@@ -40,17 +40,14 @@ async def embed(request, model_id: str | None = None):
     if rq.wants_binary(request, default_binary=kind == BINARY_KIND):
         body = wire.encode_embed_response_parts(n, hidden, [parts] if isinstance(parts, bytes) else parts)
         return HTTPResponse(body, content_type=BINARY)
-    raw = parts if isinstance(parts, bytes) else b"".join(parts)
-    rows = np.frombuffer(raw, dtype="<f4").reshape(n, hidden)
-    return json(
-        {
-            "residual": rows.tolist(),
-            "seq_len": n,
-            "hidden_size": hidden,
-            "model": m.id,
-            "latency_ms": round((time.perf_counter() - t0) * 1e3, 4),
-        }
-    )
+
+    def as_json() -> HTTPResponse:  # 4,096 rows make ~50 MB of JSON: built in the compute thread, not on the loop
+        raw = parts if isinstance(parts, bytes) else b"".join(parts)
+        rows = np.frombuffer(raw, dtype="<f4").reshape(n, hidden)
+        return json({"residual": rows.tolist(), "seq_len": n, "hidden_size": hidden, "model": m.id,
+                     "latency_ms": round((time.perf_counter() - t0) * 1e3, 4)})
+
+    return await request.app.ctx.compute.run(as_json)
 
 
 def _row(request, m, token: str, vary_model: bool) -> HTTPResponse:

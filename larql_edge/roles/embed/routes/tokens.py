@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 from sanic import Blueprint
-from sanic.response import json
+from sanic.response import HTTPResponse, json
 
 from larql_edge.errors import BadRequest, PayloadTooLarge
+from larql_edge.model import tokens
 from larql_edge.roles.embed import requests as rq
 from larql_edge.roles.embed.routes._common import both, model_of
 from larql_edge.service import JSON_KIND, body_kind, json_object
@@ -36,6 +37,15 @@ def _ids(m, ids: np.ndarray, limit: int) -> list[int]:
     return rq.check_ids(ids, m.vocab_size, limit, "ids").tolist()
 
 
+async def _encoded(request, m, text: str, special: bool) -> HTTPResponse:
+    # Tokenizing (GIL released) and the reply's JSON both in the compute thread: 100,000 characters
+    # take long enough to stall the loop's health checks and heartbeats.
+    def work() -> HTTPResponse:
+        return json({"token_ids": tokens.encode(m.tokenizer, text, special), "text": text})
+
+    return await request.app.ctx.compute.run(work)
+
+
 @both(bp, "/token/encode", ["GET"], "encode")
 async def encode(request, model_id: str | None = None):
     m = model_of(request, model_id)
@@ -45,7 +55,7 @@ async def encode(request, model_id: str | None = None):
         raise BadRequest("text is required, e.g. ?text=Paris")
     text = _check_text(text, request.app.ctx.cfg.limits.max_text_chars)
     special = rq.bool_param(query.get("add_special_tokens"), "add_special_tokens")
-    return json({"token_ids": m.tokenizer.encode(text, add_special_tokens=special).ids, "text": text})
+    return await _encoded(request, m, text, special)
 
 
 @both(bp, "/token/encode", ["POST"], "encode_post")
@@ -62,12 +72,15 @@ async def encode_post(request, model_id: str | None = None):
         if not isinstance(texts, list):
             raise BadRequest("texts must be a list of strings")
         texts = [_check_text(t, limit) for t in texts]
-        encs = m.tokenizer.encode_batch(texts, add_special_tokens=special) if texts else []
-        return json({"token_ids": [e.ids for e in encs]})
+
+        def batch() -> HTTPResponse:
+            encs = m.tokenizer.encode_batch(texts, add_special_tokens=special) if texts else []
+            return json({"token_ids": [e.ids for e in encs]})
+
+        return await request.app.ctx.compute.run(batch)
     if "text" not in obj:
         raise BadRequest('send {"text": "..."} or {"texts": ["...", ...]}')
-    text = _check_text(obj["text"], limit)
-    return json({"token_ids": m.tokenizer.encode(text, add_special_tokens=special).ids, "text": text})
+    return await _encoded(request, m, _check_text(obj["text"], limit), special)
 
 
 @both(bp, "/token/decode", ["GET"], "decode")

@@ -1,0 +1,185 @@
+"""The direct data path, hedged hops and per-hop timings (issue 18), against in-process servers on
+loopback (tiny models): exact against the local forward, the router kept as control plane and
+fallback, hedges bounded, and Server-Timing on every server."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from larql_edge.format.vindex import Vindex
+from larql_edge.model.forward import Transformer
+from larql_edge.net.h1 import Reply
+from larql_edge.net.hops import Hedger, HopLog, server_seconds
+from larql_edge.roles.client._build import build_remote
+from larql_edge.wire.grid import TOPOLOGY, Topology
+from tests import _inproc as inproc
+from tests._grid import remote_args, wait_grid
+
+IDS = [2, 4, 5, 6, 7, 8, 9, 10, 4]
+
+
+@pytest.fixture(scope="module")
+def grid(tiny_models):
+    """Router + embed + layer 0 twice (two replicas) + layer 1 once."""
+    with inproc.grid(tiny_models["gemma3"], ["0-0", "1-1"], replicas=1) as g, \
+            inproc.shard(tiny_models["gemma3"], "0-0", join=g["router"].url) as extra:
+        wait_grid(g["router"].url, embed=1, members=4)
+        g["shards"]["0-0"].append(extra)
+        g["vindex"] = tiny_models["gemma3"]
+        yield g
+
+
+def test_the_router_publishes_its_live_shards_as_a_topology(grid):
+    r = httpx.get(grid["router"].url + TOPOLOGY)
+    assert r.status_code == 200
+    topo = Topology.from_json(r.json())
+    got = sorted((t.url, str(t.layers)) for t in topo.shards)
+    want = sorted([(s.url, "0-0") for s in grid["shards"]["0-0"]] + [(grid["shards"]["1-1"][0].url, "1-1")])
+    assert got == want
+    assert topo.refresh_s == 0.25 and len(topo.version) == 16
+    assert Topology.from_json(httpx.get(grid["router"].url + TOPOLOGY).json()).version == topo.version
+
+
+@pytest.mark.parametrize("bad", [[], {"shards": "x"}, {"version": "v", "shards": [{"url": "ftp://x", "layers": "0-1"}]},
+                                 {"version": "v", "shards": [{"url": "http://x", "layers": "a-b"}]},
+                                 {"version": "v", "shards": [], "refresh_s": -1}])
+def test_a_malformed_topology_is_refused(bad):
+    from larql_edge.errors import ProtocolError
+
+    with pytest.raises(ProtocolError):
+        Topology.from_json(bad)
+
+
+def test_the_client_sends_each_layer_straight_to_a_shard_and_stays_exact(grid):
+    local = list(Transformer.local(grid["vindex"]).generate(IDS, 8, stop_ids=[]))
+    hops = HopLog()
+    remote = build_remote(Vindex.open(grid["vindex"]), remote_args(ffn=grid["router"].url, hedge=False))
+    remote.ffn_provider.replicas.hops = hops
+    assert list(remote.generate(IDS, 8, stop_ids=[])) == local
+    shard_urls = {s.url for ss in grid["shards"].values() for s in ss}
+    ffn = [h for h in hops.drain() if h.tier == "ffn"]
+    assert len(ffn) == 2 * 9 and {h.url for h in ffn} <= shard_urls  # the router served no walk-ffn
+    assert {h.url for h in ffn if h.layer == 1} == {grid["shards"]["1-1"][0].url}
+    # Both replicas of layer 0 were tried (each is measured before the faster one is preferred).
+    assert {h.url for h in ffn if h.layer == 0} == {s.url for s in grid["shards"]["0-0"]}
+    assert remote.ffn_provider.path.topology is not None
+
+
+def test_without_direct_every_layer_goes_through_the_router(grid):
+    hops = HopLog()
+    remote = build_remote(Vindex.open(grid["vindex"]), remote_args(ffn=grid["router"].url, direct=False))
+    remote.ffn_provider.replicas.hops = hops
+    list(remote.generate(IDS, 3, stop_ids=[]))
+    assert {h.url for h in hops.drain() if h.tier == "ffn"} == {grid["router"].url}
+    assert remote.ffn_provider.path.topology is None
+
+
+def test_a_shard_url_given_directly_is_used_as_it_is(grid):
+    """A target that is no router answers 404 to /v1/topology: the client uses it as a plain target."""
+    v = grid["vindex"]
+    local = list(Transformer.local(v).generate(IDS, 4, stop_ids=[]))
+    with inproc.shard(v, None) as whole:
+        remote = build_remote(Vindex.open(v), remote_args(ffn=whole.url, embed=grid["embed"].url))
+        assert list(remote.generate(IDS, 4, stop_ids=[])) == local
+        assert remote.ffn_provider.path.routers == [] and remote.ffn_provider.path.topology is None
+
+
+def test_a_shard_that_leaves_drops_out_of_the_direct_path(tiny_models):
+    """A shard stopped cleanly leaves the grid: the client's next topology refresh drops it, and
+    generation goes on, exact, with nothing computed twice."""
+    v = tiny_models["gemma3"]
+    local = list(Transformer.local(v).generate(IDS, 10, stop_ids=[]))
+    with inproc.grid(v, ["0-1"], replicas=2) as g:
+        remote = build_remote(Vindex.open(v), remote_args(ffn=g["router"].url, hedge=False, retries=4))
+        hops = remote.ffn_provider.replicas.hops = HopLog()
+        out, victim = [], None
+        for i, tok in enumerate(remote.generate(IDS, 10, stop_ids=[])):
+            out.append(tok)
+            if i == 3:
+                victim = max(g["shards"]["0-1"], key=lambda s: sum(h.url == s.url for h in hops.drain()))
+                victim.stop()
+        assert out == local
+        assert remote.ffn_provider.calls == 2 * 11  # prefill + 10 decode steps, two layers each
+        later = [h for h in hops.drain() if h.tier == "ffn"]
+        assert later and victim is not None and victim.url not in {h.url for h in later}
+
+
+@pytest.mark.multiprocess
+def test_a_shard_killed_mid_generation_costs_no_token_and_no_recomputation(tiny_models):
+    """SIGKILL (no leave; the router has not noticed yet: heartbeats every 5 s): the layer's request
+    fails once on the dead shard and goes on to the other replica or the router; every other layer
+    and token is computed once, and the output is unchanged."""
+    from tests._grid import Procs, StubEmbed
+
+    v = tiny_models["gemma3"]
+    local = list(Transformer.local(v).generate(IDS, 10, stop_ids=[]))
+    with StubEmbed(v) as stub, Procs() as procs:
+        router = procs.start("router", "larql-router", "--heartbeat-interval", "5")
+        router.wait_ready(60)
+        a, b = procs.shard(v, "0-1", router, "a"), procs.shard(v, "0-1", router, "b")
+        wait_grid(router.url, members=2, timeout=60)
+        remote = build_remote(Vindex.open(v), remote_args(ffn=router.url, embed=stub.url, hedge=False, retries=4))
+        hops = remote.ffn_provider.replicas.hops = HopLog()
+        out, victim = [], None
+        for i, tok in enumerate(remote.generate(IDS, 10, stop_ids=[])):
+            out.append(tok)
+            if i == 3:
+                used = [h.url for h in hops.drain() if h.tier == "ffn"]
+                victim = max((a, b), key=lambda s: used.count(s.url))
+                victim.kill()
+        assert out == local
+        ffn = remote.ffn_provider
+        assert ffn.calls == 2 * 11  # every layer of every step answered once
+        assert ffn.replicas.failovers == 1  # one failed attempt: the dead shard, once
+        later = [h.url for h in hops.drain() if h.tier == "ffn"]
+        assert later and victim is not None and victim.url not in later
+
+
+def test_server_timing_on_every_server(grid):
+    for s in (grid["router"], grid["embed"], grid["shards"]["1-1"][0]):
+        r = httpx.get(s.url + "/v1/stats")
+        secs = server_seconds(Reply(r.status_code, {k.lower(): v for k, v in r.headers.items()}, r.content))
+        assert secs is not None and 0 <= secs < 5, r.headers.get("server-timing")
+
+
+def test_hedging_sends_the_second_request_only_past_the_threshold_and_within_budget():
+    import threading
+    import time
+
+    slow = {"a": 0.0}
+    calls: list[str] = []
+    lock = threading.Lock()
+
+    def send(url: str) -> str:
+        with lock:
+            calls.append(url)
+        time.sleep(slow.get(url, 0.0) + 0.001)
+        return url
+
+    h = Hedger(lambda: None, budget_per_s=1000.0)
+    for _ in range(Hedger.MIN_SAMPLES):
+        assert h.run(1, "a", "b", send) == ("a", "a", False)  # no threshold yet: never a hedge
+    assert h.sent == 0 and h.threshold(1) is not None and calls == ["a"] * Hedger.MIN_SAMPLES
+    slow["a"] = 0.2
+    url, value, hedged = h.run(1, "a", "b", send)
+    assert (url, value, hedged) == ("b", "b", True) and h.sent == 1 and h.won == 1
+    # A hop of another size has its own threshold: none learned yet.
+    assert h.threshold(64) is None
+    h.close()
+
+
+def test_the_hedge_budget_bounds_hedges_per_second():
+    import time
+
+    h = Hedger(lambda: None, budget_per_s=2.0)
+    for _ in range(Hedger.MIN_SAMPLES):
+        h.observe(1, 0.001)
+
+    def send(url: str) -> str:
+        time.sleep(0.02 if url == "a" else 0.0)
+        return url
+
+    got = [h.run(1, "a", "b", send) for _ in range(10)]
+    assert h.sent <= 3 and sum(g[2] for g in got if g) == h.sent
+    h.close()

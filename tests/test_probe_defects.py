@@ -1,0 +1,287 @@
+"""The adversarial probe's defects (issue #19), fast tier: each test reproduces one, in-process on
+loopback (tiny models, real HTTP), and failed on the code before its fix. Timing bounds are ratios to
+a baseline measured in the same test (the machine is shared and loaded), never wall-clock numbers."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from larql_edge.format.vindex import Vindex
+from larql_edge.roles.serve.app import Limits, create_app, remote_engine, served_model
+from larql_edge.testing.servers import ServerThread
+from tests import _inproc
+
+
+@pytest.fixture(scope="module")
+def grid(tiny_models):
+    with _inproc.grid(tiny_models["gemma3"], ["0-0", "1-1"]) as g:
+        yield g
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_models):
+    return Vindex.open(tiny_models["gemma3"]).load_tokenizer()
+
+
+def _serve(vx_path, router_url: str, limits: Limits) -> ServerThread:
+    vx = Vindex.open(vx_path)
+    engine = remote_engine(vx, router_url, None, timeout=30, retries=1)
+    served = served_model(vx, vx.load_tokenizer(), limits.context, None)
+    served.eos_ids = ()  # sequences run to max_tokens: they hold their slots as long as a test needs
+    return ServerThread(create_app(engine, served, limits))
+
+
+class HealthPoller:
+    """Polls ``/v1/health`` on its own connection while a block runs; ``worst`` is the slowest answer."""
+
+    def __init__(self, url: str):
+        self.url, self.times, self._stop = url, [], threading.Event()
+        self._t = threading.Thread(target=self._run)
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=120) as c:
+            while not self._stop.is_set():
+                t0 = time.perf_counter()
+                assert c.get(self.url + "/v1/health").status_code == 200
+                self.times.append(time.perf_counter() - t0)
+                time.sleep(0.005)
+
+    def __enter__(self) -> HealthPoller:
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._t.join()
+
+    @property
+    def worst(self) -> float:
+        return max(self.times)
+
+
+def _encode_seconds(tokenizer, text: str) -> float:
+    t0 = time.perf_counter()
+    tokenizer.encode(text)
+    return time.perf_counter() - t0
+
+
+# -- High: a huge prompt blocked larql-serve's health for seconds --------------------------------------
+
+
+def test_tokenizing_releases_the_gil(tokenizer):
+    """``Tokenizer.encode`` held the GIL for the whole call: another thread (the event loop) stalled for
+    as long as the text took. `tokens.encode` gives the same ids and lets the other thread run."""
+    from larql_edge.model import tokens
+
+    text = "the capital of france is paris. " * 20_000
+    assert tokens.encode(tokenizer, text) == tokenizer.encode(text).ids
+    gaps: list[float] = []
+    stop = threading.Event()
+
+    def tick() -> None:
+        last = time.perf_counter()
+        while not stop.is_set():
+            time.sleep(0.002)
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+
+    t = threading.Thread(target=tick)
+    t.start()
+    t0 = time.perf_counter()
+    tokens.encode(tokenizer, text)
+    took = time.perf_counter() - t0
+    stop.set()
+    t.join()
+    assert max(gaps) < took / 3, (max(gaps), took)
+
+
+def test_a_prompt_longer_than_the_context_can_hold_is_refused_untokenized(tiny_models, grid, tokenizer):
+    """A 3.9 MB prompt blocked /v1/health for 8-10 s; eight of them, about a minute. A prompt with more
+    characters than the context's tokens can stand for is now a 400 before any tokenizing, and
+    health stays as fast as without it. Baseline: tokenizing that prompt here, in this run."""
+    with _serve(tiny_models["gemma3"], grid["router"].url, Limits(context=64)) as s:
+        prompt = "the capital of france is paris. " * 120_000  # 3.8 MB, within the 4 MiB body limit
+        baseline = _encode_seconds(tokenizer, prompt)
+        with HealthPoller(s.url) as health, ThreadPoolExecutor(4) as ex:
+            t0 = time.perf_counter()
+            replies = list(ex.map(lambda _: httpx.post(s.url + "/v1/completions", timeout=300,
+                                                       json={"prompt": prompt, "max_tokens": 1}), range(4)))
+            took = time.perf_counter() - t0
+        for r in replies:
+            assert r.status_code == 400, r.text
+            assert r.json()["error"]["code"] == "context_length_exceeded"
+            assert r.json()["error"]["param"] == "prompt"
+        assert took < baseline, (took, baseline)  # four refused in less time than one was tokenized
+        assert health.worst < baseline / 4, (health.worst, baseline)
+
+
+def test_the_embed_server_tokenizes_off_its_event_loop(tiny_models, tokenizer):
+    """Eight clients encoding 100,000 characters each held the embed server's loop (health p99 1.5 s):
+    the tokenizer ran in the handler. Health now answers while they encode."""
+    text = "the capital of france is paris. " * 3_125  # 100,000 characters: the published limit
+    baseline = _encode_seconds(tokenizer, text)
+    with _inproc.embed({"gemma": tiny_models["gemma3"]}) as srv:
+        _inproc.wait_ready(srv)
+        with HealthPoller(srv.url) as health, ThreadPoolExecutor(8) as ex:
+            replies = list(ex.map(lambda _: httpx.post(srv.url + "/v1/token/encode", json={"text": text}, timeout=120),
+                                  range(16)))
+        assert all(r.status_code == 200 for r in replies)
+        assert replies[0].json()["token_ids"] == tokenizer.encode(text, add_special_tokens=False).ids
+        # 16 encodes queue in one compute thread; on the loop, a health check waited for several of them
+        assert health.worst < 2 * baseline, (health.worst, baseline)
+
+
+# -- Medium: a lone surrogate was a 500 (and, through the router, an embed-server failure) ------------
+
+LONE = b'"\\ud800"'  # JSON's escape for a lone surrogate: valid JSON, not Unicode text
+
+
+def _raw_request(url: str, head: bytes, body: bytes = b"") -> tuple[int, bytes]:
+    """One request written byte for byte (headers no client library would send); the status and body."""
+    import socket
+    from urllib.parse import urlsplit
+
+    u = urlsplit(url)
+    with socket.create_connection((u.hostname, u.port), timeout=30) as s:
+        s.sendall(head + b"content-length: " + str(len(body)).encode() + b"\r\nconnection: close\r\n\r\n" + body)
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    status = int(data.split(b" ", 2)[1])
+    return status, data.split(b"\r\n\r\n", 1)[1]
+
+
+@pytest.mark.parametrize("where", ["serve", "embed", "router"])
+def test_a_lone_surrogate_is_a_400_and_never_a_members_failure(tiny_models, grid, where):
+    if where == "serve":
+        server = _serve(tiny_models["gemma3"], grid["router"].url, Limits(context=64))
+        path, body = "/v1/completions", b'{"max_tokens": 1, "prompt": ' + LONE + b"}"
+    else:
+        server = None
+        path, body = "/v1/token/encode", b'{"text": ' + LONE + b"}"
+    with server or _NoServer(grid["router"].url if where == "router" else grid["embed"].url) as s:
+        for _ in range(20):
+            status, reply = _raw_request(s.url, b"POST " + path.encode() + b" HTTP/1.1\r\nhost: x\r\n"
+                                         b"content-type: application/json\r\n", body)
+            assert status == 400, reply
+            assert b"surrogate" in reply
+        # The server (and through the router, the embed member) still serves
+        ok = httpx.post(s.url + "/v1/token/encode", json={"text": "paris"}, timeout=30) if where != "serve" else \
+            httpx.post(s.url + "/v1/completions", json={"prompt": "paris", "max_tokens": 1}, timeout=30)
+        assert ok.status_code == 200, ok.text
+    grid_state = httpx.get(grid["router"].url + "/v1/grid").json()["members"]
+    assert all(m["failures"] == 0 for m in grid_state), grid_state
+
+
+class _NoServer:
+    def __init__(self, url: str):
+        self.url = url
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+
+@pytest.mark.parametrize("header", [b"x-model-id", b"accept"])
+def test_a_non_utf8_forwarded_header_is_a_400_at_the_router(grid, header):
+    status, reply = _raw_request(grid["router"].url, b"POST /v1/token/encode HTTP/1.1\r\nhost: x\r\n"
+                                 b"content-type: application/json\r\n" + header + b": \xff\xfe\r\n", b'{"text": "paris"}')
+    assert status == 400, reply
+
+
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-32"])
+def test_json_bodies_must_be_utf8(grid, encoding):
+    """RFC 8259 §8.1: JSON exchanged between systems is UTF-8; json.loads guessed UTF-16 and UTF-32."""
+    for url in (grid["embed"].url, grid["router"].url):
+        r = httpx.post(url + "/v1/token/encode", content='{"text": "paris"}'.encode(encoding),
+                       headers={"content-type": "application/json"}, timeout=30)
+        assert r.status_code == 400 and "UTF-8" in r.text, r.text
+
+
+# -- Medium: --max-queue was ignored while any active slot was free -----------------------------------
+
+
+def test_max_queue_holds_while_a_slot_is_free(tiny_models, grid):
+    """--max-active 2 --max-queue 2 with one slot busy admitted a burst of 30 (29 queued, no 429): the
+    queue was only checked once every slot was taken. Now one more takes the free slot, two queue, and
+    the rest are 429."""
+    with _serve(tiny_models["gemma3"], grid["router"].url, Limits(context=1 << 16, max_active=2, max_queue=2)) as s:
+        started, release = threading.Event(), threading.Event()
+
+        def hold():
+            with httpx.stream("POST", s.url + "/v1/completions", timeout=120,
+                              json={"prompt": "a", "max_tokens": 60_000, "stream": True}) as r:
+                for _ in r.iter_bytes():
+                    started.set()
+                    if release.wait(0.01):
+                        return
+
+        holder = threading.Thread(target=hold)
+        holder.start()
+        try:
+            assert started.wait(30)
+            burst = [{"prompt": "b", "max_tokens": 60_000, "stream": True} for _ in range(30)]
+            with ThreadPoolExecutor(30) as ex:
+                def one(body):
+                    with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=120) as r:
+                        if r.status_code == 200:
+                            release.wait(60)  # keep the stream (and the sequence) until the end
+                        return r.status_code
+
+                futures = [ex.submit(one, b) for b in burst]
+                deadline = time.monotonic() + 60
+                while sum(f.done() for f in futures) < 27 and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                stats = httpx.get(s.url + "/v1/stats").json()
+                release.set()
+                codes = sorted(f.result() for f in futures)
+        finally:
+            release.set()
+            holder.join(60)
+        assert codes == [200] * 3 + [429] * 27, codes
+        assert stats["active"] + stats["queued"] <= 4, stats
+
+
+# -- Medium: every distinct HTTP method name added metrics series ---------------------------------------
+
+
+@pytest.mark.parametrize("role", ["embed", "router", "shard"])
+def test_unknown_method_names_add_no_metrics_series(grid, role):
+    """20,000 requests with distinct method names grew /metrics to 41,000 lines (3.1 s a scrape)."""
+    url = grid["shards"]["0-0"][0].url if role == "shard" else grid[role].url
+
+    def lines() -> int:
+        return len(httpx.get(url + "/metrics", timeout=30).text.splitlines())
+
+    for i in range(3):  # every series this traffic makes, once
+        _raw_request(url, f"M{i} /v1/health HTTP/1.1\r\nhost: x\r\n".encode())
+    lines()  # the scrape's own series
+    before = lines()
+    for i in range(3, 60):
+        status, _ = _raw_request(url, f"M{i} /v1/health HTTP/1.1\r\nhost: x\r\n".encode())
+        assert 400 <= status < 500
+    assert lines() == before
+
+
+# -- Low ---------------------------------------------------------------------------------------------
+
+
+def test_seeds_x_and_minus_x_sample_differently(tiny_models, grid):
+    with _serve(tiny_models["gemma3"], grid["router"].url, Limits(context=64)) as s:
+        def text(seed: int) -> str:
+            r = httpx.post(s.url + "/v1/completions", timeout=60,
+                           json={"prompt": "the", "max_tokens": 12, "temperature": 2.0, "seed": seed})
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["text"]
+
+        assert text(7) == text(7)
+        assert text(-7) == text(-7)
+        assert [text(x) for x in (7, 11, 12345)] != [text(-x) for x in (7, 11, 12345)]
