@@ -359,3 +359,58 @@ def test_a_draft_vindex_without_ffn_weights_is_refused(tiny_models, tmp_path):
     r = larql("generate", "--vindex", str(tiny_models["gemma3"]), "--prompt", "the", "--max-tokens", "2",
               "--draft", str(out))
     assert r.returncode != 0 and "--draft" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_serve_sampling_with_speculation_keeps_the_distribution(tiny_models):
+    """larql-serve's scheduler (in process, a local engine), temperature and top-p: the second token of
+    many seeded 3-token sequences, each one verified as a draft, against sum_t1 p(t1) p(t2 | t1) of
+    plain (one token per step) sampling over the same top candidates."""
+    import asyncio
+
+    from larql_edge.model.batch import BatchEngine, Chunk, LocalTopK
+    from larql_edge.roles.serve.scheduler import Params, Scheduler, Seq
+
+    m = Transformer.local(tiny_models["gemma3"])
+    engine = BatchEngine(m.spec, m.attn, m.embedder, m.ffn_provider, LocalTopK(m.head), m.backend)
+    vocab = m.spec.vocab_size
+    # every token once, shuffled: a unigram match drafts after any first token (a spread-out p1: 9 tokens)
+    prompt = [2, *np.random.default_rng(0).permutation(np.arange(4, vocab)).tolist()]
+    temperature, top_p = 1.5, 0.9
+
+    def dist(ctx_cache, ids):
+        top = engine.step([Chunk(ctx_cache, ids)], vocab)[0]
+        assert top is not None
+        return sp.dist_from_top(*top, temperature, top_p)
+
+    p1 = dist(engine.new_cache(vocab + 4), prompt)
+    p2 = np.zeros(vocab)
+    for t1, w in zip(p1.ids.tolist(), p1.probs.tolist(), strict=True):
+        if w > 0:
+            d = dist(engine.new_cache(vocab + 4), [*prompt, t1])
+            p2[d.ids] += w * d.probs
+
+    runs = 1500
+
+    async def run_all() -> tuple[list[list[int]], dict]:
+        loop = asyncio.get_running_loop()
+        sched = Scheduler(engine, Vindex.open(tiny_models["gemma3"]).load_tokenizer(), context=vocab + 4,
+                          max_active=8, max_queue=runs, speculation=sp.Settings(max_k=1, ngram_min=1))
+        seqs = [Seq(prompt, Params(3, temperature, top_p, seed=i), loop) for i in range(runs)]
+        try:
+            for s in seqs:
+                sched.admit(s)
+            for s in seqs:
+                while (await s.events.get()).kind == "text":
+                    pass
+        finally:
+            sched.stop()
+        return [s.generated for s in seqs], sched.stats()["speculation"]
+
+    outs, stats = asyncio.run(run_all())
+    assert all(len(o) == 3 for o in outs)
+    # most first tokens are in the prompt (the rest, specials, draft nothing and sample plainly)
+    assert stats["drafted_tokens"] > 0.8 * runs and 0.02 * runs < stats["accepted_tokens"] < stats["drafted_tokens"]
+    counts = np.bincount([o[1] for o in outs], minlength=vocab)
+    ok, stat, crit = _chi_square_ok(counts, p2)
+    assert ok, (stat, crit)
+    assert not _chi_square_ok(counts, np.bincount(p1.ids, weights=p1.probs, minlength=vocab))[0]
