@@ -313,37 +313,33 @@ def generate(model, ids: Sequence[int], max_tokens: int, temperature: float = 0.
     windows = model.windows()
     context = list(ids)
     first = _row_targets(model.head, model.forward(context, cache)[-1:], temperature)[0]
-    pending = first if isinstance(first, int) else first.sample(rng)
     adapt = AdaptiveK(max_k)
     out = 0
+    emit = [first if isinstance(first, int) else first.sample(rng)]
     while True:
-        yield pending
-        out += 1
-        stats.tokens += 1
-        context.append(pending)
-        if pending in stop or out >= max_tokens:
-            return
-        k = min(adapt.next_k(), max_tokens - out - 1)  # kept drafts and the token after them fit
-        draft = drafter.propose(context, k, temperature, rng) if k > 0 else Draft([])
-        drafts = draft.tokens[:k]
-        start = cache.length
-        targets = _row_targets(model.head, model.forward([pending, *drafts], cache), temperature)
-        if greedy:
-            kept, pending = accept_greedy(drafts, targets)  # type: ignore[arg-type]
-        else:
-            kept, pending = accept(drafts, draft.q, targets, rng)  # type: ignore[arg-type]
-        cache.truncate(start + 1 + kept, windows)  # the last decided token and the kept drafts stay
-        adapt.update(len(drafts), kept)
-        stats.passes += 1
-        stats.drafted += len(drafts)
-        stats.accepted += kept
-        for t in drafts[:kept]:
+        for t in emit:
             yield t
             out += 1
             stats.tokens += 1
             context.append(t)
             if t in stop or out >= max_tokens:
                 return
+        pending = emit[-1]  # decided, not yet in the cache
+        k = min(adapt.next_k(), max_tokens - out - 1)  # kept drafts and the token after them fit
+        draft = drafter.propose(context, k, temperature, rng) if k > 0 else Draft([])
+        drafts = draft.tokens[:k]
+        start = cache.length
+        targets = _row_targets(model.head, model.forward([pending, *drafts], cache), temperature)
+        if greedy:
+            kept, nxt = accept_greedy(drafts, targets)  # type: ignore[arg-type]
+        else:
+            kept, nxt = accept(drafts, draft.q, targets, rng)  # type: ignore[arg-type]
+        cache.truncate(start + 1 + kept, windows)  # the last decided token and the kept drafts stay
+        adapt.update(len(drafts), kept)
+        stats.passes += 1
+        stats.drafted += len(drafts)
+        stats.accepted += kept
+        emit = [*drafts[:kept], nxt]
 
 
 # -- per sequence, for a batching scheduler (larql-serve) ----------------------------------------
