@@ -414,3 +414,23 @@ def test_serve_sampling_with_speculation_keeps_the_distribution(tiny_models):
     ok, stat, crit = _chi_square_ok(counts, p2)
     assert ok, (stat, crit)
     assert not _chi_square_ok(counts, np.bincount(p1.ids, weights=p1.probs, minlength=vocab))[0]
+
+
+def test_speculation_with_an_embed_server_that_answers_top_k_json_only(tiny_models):
+    """LARQL's /v1/logits (top-k JSON per row, no many-rows form): verification asks row by row and
+    greedy speculation still gives plain decoding's tokens."""
+    from larql_edge.net.remote import RemoteSettings
+    from larql_edge.roles.client._build import build_remote
+    from tests import _inproc
+    from tests._grid import StubEmbed
+
+    v = tiny_models["gemma3"]
+    want = list(Transformer.local(v).generate(IDS, 12, stop_ids=[]))
+    with StubEmbed(v, larql_logits=True) as stub, _inproc.shard(v, "0-1") as shard:
+        remote = build_remote(Vindex.open(v), RemoteSettings(ffn=shard.url, embed=stub.url, logits_top_k=8,
+                                                             timeout=20, retries=1))
+        remote.head.notice = lambda text: None
+        stats = sp.SpecStats()
+        assert list(sp.generate(remote, IDS, 12, stop_ids=[], stats=stats)) == want
+        assert remote.head.mode == "top-k JSON" and stats.drafted > 0
+        assert not any("rows=" in r for r in stub.requests)  # never asked for a form it lacks

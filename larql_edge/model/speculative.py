@@ -34,7 +34,7 @@ from typing import Protocol
 
 import numpy as np
 
-from larql_edge.errors import LarqlError
+from larql_edge.errors import LarqlError, RemoteError
 from larql_edge.model import ops
 
 DEFAULT_MAX_K = 4  # drafts per pass at most: past ~4, a rejected tail costs more rows than it saves
@@ -288,14 +288,26 @@ class SpecStats:
     tokens: int = 0
 
 
-def _row_targets(head, h: np.ndarray, temperature: float) -> list[int] | list[Dist]:
-    """Per row of ``h``: the argmax (greedy) or the sampling distribution, from ONE head request when
-    the head takes many rows (`RemoteHead.top_k_rows`; the local head multiplies all rows at once)."""
-    if temperature < MIN_TEMPERATURE:
-        if hasattr(head, "top_k_rows"):
-            return [int(ids[0]) for ids, _ in head.top_k_rows(h, 1)]
-        return [int(np.argmax(row)) for row in np.asarray(head.logits(h), dtype=np.float32)]
-    return [dist_from_logits(row, temperature) for row in np.asarray(head.logits(h), dtype=np.float32)]
+class _Targets:
+    """Per row of a pass: the target's argmax (greedy) or its sampling distribution. A pass of many
+    rows asks the head ONCE (`RemoteHead.top_k_rows`, or its many-rows raw logits when sampling); a
+    single row asks as plain decoding does. A server without the many-rows form (LARQL's embed server
+    answers top-k JSON per row) is asked row by row, as `RemoteHead.logits` does by itself."""
+
+    def __init__(self, head, temperature: float):
+        self.head, self.temperature = head, temperature
+        self.many_rows = hasattr(head, "top_k_rows")
+
+    def __call__(self, h: np.ndarray) -> list:
+        head = self.head
+        if self.temperature < MIN_TEMPERATURE:
+            if h.shape[0] > 1 and self.many_rows and getattr(head, "mode", "raw") == "raw":
+                try:
+                    return [int(ids[0]) for ids, _ in head.top_k_rows(h, 1)]
+                except RemoteError:
+                    self.many_rows = False
+            return [int(np.argmax(row)) for row in np.asarray(head.logits(h), dtype=np.float32)]
+        return [dist_from_logits(row, self.temperature) for row in np.asarray(head.logits(h), dtype=np.float32)]
 
 
 def generate(model, ids: Sequence[int], max_tokens: int, temperature: float = 0.0, seed: int | None = None,
@@ -312,7 +324,8 @@ def generate(model, ids: Sequence[int], max_tokens: int, temperature: float = 0.
     cache = model.new_cache()
     windows = model.windows()
     context = list(ids)
-    first = _row_targets(model.head, model.forward(context, cache)[-1:], temperature)[0]
+    targets_of = _Targets(model.head, temperature)
+    first = targets_of(model.forward(context, cache)[-1:])[0]
     adapt = AdaptiveK(max_k)
     out = 0
     emit = [first if isinstance(first, int) else first.sample(rng)]
@@ -329,7 +342,7 @@ def generate(model, ids: Sequence[int], max_tokens: int, temperature: float = 0.
         draft = drafter.propose(context, k, temperature, rng) if k > 0 else Draft([])
         drafts = draft.tokens[:k]
         start = cache.length
-        targets = _row_targets(model.head, model.forward([pending, *drafts], cache), temperature)
+        targets = targets_of(model.forward([pending, *drafts], cache))
         if greedy:
             kept, nxt = accept_greedy(drafts, targets)  # type: ignore[arg-type]
         else:
