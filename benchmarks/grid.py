@@ -127,7 +127,8 @@ def main() -> int:
             time.sleep(0.2)
 
         local = Transformer.local(vindex)
-        grid = build_remote(Vindex.open(paths["client"]), remote_args(ffn=router.url))
+        grid = build_remote(Vindex.open(paths["client"]), remote_args(ffn=router.url, direct=False))
+        topo = build_remote(Vindex.open(paths["client"]), remote_args(ffn=router.url))  # the direct data path
         direct = build_remote(Vindex.open(paths["client"]), remote_args(
             ffn=",".join(f"{s.info['layers']}={s.url}" for s in shards), embed=embed.url))
 
@@ -142,18 +143,24 @@ def main() -> int:
         say("")
 
         # Decode: rounds interleave the three configurations so machine noise hits them alike.
-        rates: dict[str, list[float]] = {"local": [], "grid": [], "direct": []}
+        rates: dict[str, list[float]] = {"local": [], "grid": [], "topo": [], "direct": []}
         for _ in range(args.rounds):
             rates["local"].append(decode_rate(local, prompt, args.tokens))
             rates["grid"].append(decode_rate(grid, prompt, args.tokens))
+            rates["topo"].append(decode_rate(topo, prompt, args.tokens))
             rates["direct"].append(decode_rate(direct, prompt, args.tokens))
         best = {k: max(v) for k, v in rates.items()}
         say(f"Decode ({args.tokens} tokens after a {len(prompt)}-token prompt, best of {args.rounds} rounds):")
         say(f"  local single process      {best['local']:6.1f} tok/s   (baseline)")
-        say(f"  grid via router           {best['grid']:6.1f} tok/s   {best['grid'] / best['local']:.2f}x local")
-        say(f"  grid, shards direct       {best['direct']:6.1f} tok/s   {best['direct'] / best['local']:.2f}x local")
+        say(f"  grid via router           {best['grid']:6.1f} tok/s   {best['grid'] / best['local']:.2f}x local"
+            "   (--no-direct: every hop through the router)")
+        say(f"  grid, direct data path    {best['topo']:6.1f} tok/s   {best['topo'] / best['local']:.2f}x local   "
+            f"{best['topo'] / best['grid']:.2f}x via router   (--ffn ROUTER: shards learned from /v1/topology)")
+        say(f"  grid, shards by hand      {best['direct']:6.1f} tok/s   {best['direct'] / best['local']:.2f}x local   "
+            f"{best['direct'] / best['grid']:.2f}x via router   (--ffn 0-8=URL,9-17=URL --embed URL)")
         say(f"  (all rounds: local {', '.join(f'{r:.1f}' for r in rates['local'])}; "
-            f"grid {', '.join(f'{r:.1f}' for r in rates['grid'])}; direct {', '.join(f'{r:.1f}' for r in rates['direct'])})")
+            f"grid {', '.join(f'{r:.1f}' for r in rates['grid'])}; direct path {', '.join(f'{r:.1f}' for r in rates['topo'])}; "
+            f"by hand {', '.join(f'{r:.1f}' for r in rates['direct'])})")
         say("")
 
         pf = {k: min(prefill_seconds(m, long_ids) for _ in range(args.rounds))

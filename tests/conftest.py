@@ -27,6 +27,9 @@ REAL_MODEL_FIXTURES = {"gemma_f32", "gemma_f16", "smol_f32", "smol_f16"}
 ISOLATED_PREFIXES = ("LARQL_", "HF_", "HUGGINGFACE_")
 ISOLATED = ("PROMETHEUS_MULTIPROC_DIR",)
 _CACHE_DIR = os.environ.get("LARQL_CACHE_DIR")  # the one LARQL_ setting every test keeps
+# Tests marked ``under_load`` (faults, Swarm, pull) run beside this many CPU hogs (stress-ng): 2 under
+# CI, none elsewhere unless TEST_CPU_HOGS says (read here: LARQL_ variables are isolated away).
+_CPU_HOGS = int(os.environ.get("TEST_CPU_HOGS") or (2 if os.environ.get("CI") else 0))
 
 
 def pytest_configure(config):
@@ -37,6 +40,8 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
+        if item.get_closest_marker("under_load"):  # the hogs are processes
+            item.add_marker(pytest.mark.multiprocess)
         if REAL_MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.real_model)
         if any(item.get_closest_marker(m) for m in TIER_MARKERS):
@@ -65,6 +70,17 @@ def pytest_runtest_makereport(item, call):
 def pytest_collectreport(report):
     if _under_ci() and report.skipped and not _allowed_skip(report.longrepr):
         report.outcome = "failed"
+
+
+@pytest.fixture(autouse=True)
+def _cpu_hogs_beside(request):
+    if not _CPU_HOGS or request.node.get_closest_marker("under_load") is None:
+        yield
+        return
+    from larql_edge.testing.load import cpu_hogs
+
+    with cpu_hogs(_CPU_HOGS):
+        yield
 
 
 @pytest.fixture(autouse=True)

@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 from larql_edge.format.vindex import Vindex
+from larql_edge.net.remote import RemoteSettings
 from larql_edge.roles.serve.app import Limits, create_app, remote_engine, served_model
 from larql_edge.testing.servers import ServerThread
 from tests import _inproc
@@ -30,7 +31,7 @@ def tokenizer(tiny_models):
 
 def _serve(vx_path, router_url: str, limits: Limits) -> ServerThread:
     vx = Vindex.open(vx_path)
-    engine = remote_engine(vx, router_url, None, timeout=30, retries=1)
+    engine = remote_engine(vx, RemoteSettings(ffn=router_url, timeout=30, retries=1))
     served = served_model(vx, vx.load_tokenizer(), limits.context, None)
     served.eos_ids = ()  # sequences run to max_tokens: they hold their slots as long as a test needs
     return ServerThread(create_app(engine, served, limits))
@@ -285,3 +286,91 @@ def test_seeds_x_and_minus_x_sample_differently(tiny_models, grid):
         assert text(7) == text(7)
         assert text(-7) == text(-7)
         assert [text(x) for x in (7, 11, 12345)] != [text(-x) for x in (7, 11, 12345)]
+
+
+# -- Medium: pull wrote .git/config from a malicious listing; verify hashed files outside the vindex -----
+
+
+@pytest.mark.parametrize("evil", [".git/config", "sub/.GIT/hooks/pre-commit", ".git./config", ".hg/hgrc"])
+def test_pull_refuses_version_control_paths(hub, tiny_models, tmp_path, evil):
+    """A malicious Hub endpoint listed .git/config; `git status` in the pulled folder then ran its
+    core.fsmonitor command."""
+    import shutil
+
+    from larql_edge.errors import HubError
+    from larql_edge.tools.slicer.publish import publish
+    from larql_edge.tools.slicer.pull import pull
+
+    src = tmp_path / "src.vindex"
+    shutil.copytree(tiny_models["gemma3"], src)
+    publish(src, "test-user/tiny-vindex", endpoint=hub.url, token=hub.token, log=lambda m: None, slices=[],
+            collections=[])
+    hub.inject_tree_entry("test-user/tiny-vindex", evil, content=b"[core]\n\tfsmonitor = touch /tmp/pwned\n")
+    out = tmp_path / "out"
+    with pytest.raises(HubError, match="version-control"):
+        pull("test-user/tiny-vindex", output=out, endpoint=hub.url, token=hub.token, log=lambda m: None)
+    assert not out.exists()
+
+
+def _index_variant(tiny_models, tmp_path, **changes):
+    import json
+    import shutil
+
+    dst = tmp_path / "v.vindex"
+    shutil.copytree(tiny_models["gemma3"], dst)
+    index = json.loads((dst / "index.json").read_text())
+    index.update(changes)
+    (dst / "index.json").write_text(json.dumps(index))
+    return dst
+
+
+def test_verify_never_reads_outside_the_vindex(tiny_models, tmp_path):
+    from tests._cli import slicer
+
+    (tmp_path / "secret").write_bytes(b"outside")
+    import json
+
+    sums = json.loads((tiny_models["gemma3"] / "index.json").read_text())["checksums"]
+    v = _index_variant(tiny_models, tmp_path, checksums=sums | {"../secret": "0" * 64})
+    r = slicer("verify", str(v))
+    assert r.returncode != 0
+    assert "not a file of the vindex folder" in r.stderr + r.stdout
+    assert "secret: corrupt" not in r.stdout  # it was never hashed
+
+
+@pytest.mark.parametrize("field,value", [("num_layers", 10**9), ("hidden_size", 10**12), ("vocab_size", 2**40),
+                                         ("intermediate_size", 10**9)])
+def test_an_index_claiming_impossible_shapes_is_refused(tiny_models, tmp_path, field, value):
+    """verify and pull accepted 10**9 layers, hidden 10**12, vocab 2**40; larql-ffn then never became
+    ready and grew without bound."""
+    from larql_edge.errors import VindexError
+    from tests._cli import slicer
+
+    v = _index_variant(tiny_models, tmp_path, **{field: value})
+    with pytest.raises(VindexError, match="beyond this format's limit"):
+        Vindex.open(v)
+    r = slicer("verify", str(v))
+    assert r.returncode != 0 and "beyond this format's limit" in r.stderr + r.stdout
+    with pytest.raises(VindexError):
+        _inproc.shard(v, None)
+
+
+def test_verify_reports_shapes_that_contradict_the_files(tiny_models, tmp_path):
+    import json
+
+    vocab = json.loads((tiny_models["gemma3"] / "index.json").read_text())["vocab_size"]
+    v = _index_variant(tiny_models, tmp_path, vocab_size=vocab + 1)
+    problems = Vindex.open(v).verify()
+    assert any("embeddings.bin: contradicts index.json" in p for p in problems), problems
+
+
+def test_a_deeply_nested_index_is_a_clear_error(tiny_models, tmp_path):
+    from larql_edge.errors import VindexError
+    from tests._cli import slicer
+
+    v = _index_variant(tiny_models, tmp_path)
+    (v / "index.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(VindexError, match="unreadable index.json"):
+        Vindex.open(v)
+    r = slicer("verify", str(v))
+    assert r.returncode != 0 and "Traceback" not in r.stderr

@@ -16,7 +16,7 @@ from larql_edge.roles.client._build import build_remote
 from larql_edge.wire import ffn as w
 from tests._grid import Procs, free_port, remote_args, start_grid, wait_grid
 
-pytestmark = pytest.mark.multiprocess  # kills, freezes and restarts real processes
+pytestmark = [pytest.mark.multiprocess, pytest.mark.under_load]  # kills, freezes and restarts real processes
 
 IDS = [2, 4, 5, 6]
 

@@ -35,7 +35,7 @@ import pytest
 from tests import _docker as dk
 from tests import _swarm as sw
 
-pytestmark = [pytest.mark.docker, pytest.mark.slow, pytest.mark.timeout(3600)]
+pytestmark = [pytest.mark.docker, pytest.mark.slow, pytest.mark.under_load, pytest.mark.timeout(3600)]
 
 ROOT = Path(__file__).resolve().parents[1]
 STACK = "larql"

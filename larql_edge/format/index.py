@@ -27,11 +27,30 @@ def level_rank(level: str) -> int:
         raise VindexError(f"unknown extract_level {level!r} (one of {', '.join(EXTRACT_LEVELS)})") from None
 
 
-def _positive_int(d: dict[str, Any], key: str, where: str, minimum: int = 1) -> int:
+def _positive_int(d: dict[str, Any], key: str, where: str, minimum: int = 1, maximum: int | None = None) -> int:
     v = d.get(key)
     if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
         raise VindexError(f"{where}: {key} must be an integer >= {minimum}, got {v!r}")
+    if maximum is not None and v > maximum:
+        raise VindexError(f"{where}: {key} {v} is beyond this format's limit of {maximum}")
     return v
+
+
+# Shapes beyond any model the format describes (the largest today: ~130 layers, hidden 16,384, vocab
+# 262,144): an index.json claiming more contradicts its files, and a role would size work by it
+# (larql-ffn on num_layers 10**9 never became ready and grew without bound).
+MAX_LAYERS = 4096
+MAX_HIDDEN = 1 << 17
+MAX_VOCAB = 1 << 23
+MAX_INTERMEDIATE = 1 << 20
+
+
+def _file_name(name: Any, where: str) -> str:
+    """A checksums key: a file of the vindex folder itself, never a path out of it."""
+    if (not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\\" in name
+            or "\0" in name):
+        raise VindexError(f"{where}: checksums names {str(name)[:80]!r}, not a file of the vindex folder")
+    return name
 
 
 def _opt_number(d: dict[str, Any], key: str, where: str) -> float | None:
@@ -222,18 +241,23 @@ class VindexIndex:
         checksums = d.get("checksums") or {}
         if not isinstance(checksums, dict) or not all(isinstance(v, str) for v in checksums.values()):
             raise VindexError(f"{where}: checksums must map file names to sha256 strings")
+        for name in checksums:
+            _file_name(name, where)
         source = d.get("source") or {}
         if not isinstance(source, dict):
             raise VindexError(f"{where}: source must be an object")
         mc = d.get("model_config")
         tied = d.get("lm_head_tied")
-        return cls(
+        if (_opt_int(d, "intermediate_size", where) or 0) > MAX_INTERMEDIATE:
+            raise VindexError(f"{where}: intermediate_size {d['intermediate_size']} is beyond this format's limit of "
+                              f"{MAX_INTERMEDIATE}")
+        out = cls(
             version=FORMAT_VERSION,
             model=str(d.get("model") or ""),
             family=str(d.get("family") or ""),
-            num_layers=_positive_int(d, "num_layers", where),
-            hidden_size=_positive_int(d, "hidden_size", where),
-            vocab_size=_positive_int(d, "vocab_size", where),
+            num_layers=_positive_int(d, "num_layers", where, maximum=MAX_LAYERS),
+            hidden_size=_positive_int(d, "hidden_size", where, maximum=MAX_HIDDEN),
+            vocab_size=_positive_int(d, "vocab_size", where, maximum=MAX_VOCAB),
             intermediate_size=_opt_int(d, "intermediate_size", where) or 0,
             embed_scale=_opt_number(d, "embed_scale", where) or 1.0,
             extract_level=str(level),
@@ -248,6 +272,10 @@ class VindexIndex:
             lm_head_tied=tied if isinstance(tied, bool) else None,
             extra={k: v for k, v in d.items() if k not in cls._KNOWN},
         )
+        beyond = sorted({x.layer for x in out.layers if x.layer >= out.num_layers})
+        if beyond:
+            raise VindexError(f"{where}: layers lists layer {beyond[0]}, but num_layers is {out.num_layers}")
+        return out
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {

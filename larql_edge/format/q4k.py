@@ -148,7 +148,7 @@ def parse_q4k_manifest(path: Path, file_size: int, formats: tuple[str, ...] = VI
     where = str(path)
     try:
         rows = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:  # RecursionError: nested too deep
         raise VindexError(f"{where}: unreadable manifest ({e})") from None
     if not isinstance(rows, list):
         raise VindexError(f"{where}: manifest is not a JSON array")
@@ -196,7 +196,7 @@ class Q4kWeights:
             ip = self.path / INDEX
             try:
                 index = json.loads(ip.read_text())
-            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:  # RecursionError: nested too deep
                 raise VindexError(f"{ip}: unreadable index.json ({e})") from None
         if not isinstance(index, dict):
             raise VindexError(f"{self.path / INDEX}: index.json is not a JSON object")
@@ -319,7 +319,7 @@ class Q4kWeights:
                 return self._weights
             try:
                 rows = json.loads(mp.read_text())
-            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:  # RecursionError: nested too deep
                 raise VindexError(f"{mp}: unreadable weight manifest ({e})") from None
             if not isinstance(rows, list):
                 raise VindexError(f"{mp}: weight manifest is not a JSON array")

@@ -33,14 +33,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from larql_edge.errors import QuantError
 
 QK_K = 256  # values per K-quant super-block
 QK8_0 = 32  # values per Q8_0 block
 
-# format -> (values per block, bytes per block); the GGUF sizes (gguf.GGML_QUANT_SIZES).
-BLOCK = {"Q4_K": (QK_K, 144), "Q6_K": (QK_K, 210), "Q8_0": (QK8_0, 34), "Q5_0": (QK8_0, 22), "Q4_1": (QK8_0, 20)}
+# format -> (values per block, bytes per block): the one geometry table, gguf-py's GGML_QUANT_SIZES
+# (the kernels read the same table for their lower-case names: larql_edge.model.kernels._formats).
+BLOCK = {f: GGML_QUANT_SIZES[GGMLQuantizationType[f]] for f in ("Q4_K", "Q6_K", "Q8_0", "Q5_0", "Q4_1")}
 # Formats a q4k vindex manifest may carry (LARQL's QuantBlockFormat: "Q4_K" | "Q6_K").
 VINDEX_FORMATS = ("Q4_K", "Q6_K")
 # Formats a ``quant: gguf`` vindex (larql-edge's own; LARQL refuses it) may carry: every GGUF block type

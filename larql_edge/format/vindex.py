@@ -161,7 +161,7 @@ class Vindex:
             raise VindexError(f"{p}: missing {INDEX}")
         try:
             raw = json.loads(ip.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:  # RecursionError: nested too deep
             raise VindexError(f"{ip}: unreadable index.json ({e})") from None
         return cls(p, VindexIndex.from_json(raw, str(ip)))
 
@@ -292,7 +292,7 @@ class Vindex:
             else:
                 try:
                     rows = json.loads(mp.read_text())
-                except (OSError, UnicodeDecodeError, ValueError) as e:
+                except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
                     raise VindexError(f"{mp}: malformed weight manifest ({e})") from None
                 if not isinstance(rows, list):
                     raise VindexError(f"{mp}: the weight manifest must be a JSON array")
@@ -430,7 +430,7 @@ class Vindex:
             return {}
         try:
             data = json.loads(fp.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:  # RecursionError: nested too deep
             raise VindexError(f"{fp}: unreadable ({e})") from None
         if not isinstance(data, dict):
             raise VindexError(f"{fp}: expected a JSON object")
@@ -443,6 +443,11 @@ class Vindex:
         sums = self.checksums
         if not sums:
             problems.append(f"{INDEX} records no checksums")
+        if self.has(EMBEDDINGS):  # the shapes index.json claims must be those of its files
+            try:
+                self.embeddings_dtype()
+            except VindexError as e:
+                problems.append(f"{EMBEDDINGS}: contradicts {INDEX} ({e})")
         for name, want in sorted(sums.items()):
             fp = self.path / name
             if not fp.is_file():

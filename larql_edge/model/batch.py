@@ -17,6 +17,8 @@ sliding-window slice is the same), so greedy decoding is the same tokens batched
 
 from __future__ import annotations
 
+import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -92,6 +94,8 @@ class BatchEngine:
     def __init__(self, spec: ModelSpec, attn: list[AttentionLayer], embedder: EmbedProvider, ffn: FfnProvider,
                  head: TopKHead, backend: Backend):
         self.spec, self.attn, self.embedder, self.ffn, self.head, self.backend = spec, attn, embedder, ffn, head, backend
+        self.local_s = 0.0  # seconds of attention computed here, so far
+        self.step_local: deque[float] = deque(maxlen=4096)  # ... in each recent step (metrics drain it)
 
     def new_cache(self, context: int) -> SeqCache:
         return SeqCache(self.spec, context)
@@ -138,11 +142,14 @@ class BatchEngine:
         h = np.asarray(self.embedder.embed(ids), dtype=np.float32)  # one request for every row
         for layer in range(s.num_layers):
             w = self.attn[layer]
+            t = time.perf_counter()
             a = self._attention(layer, ops.rms_norm(h, w.pre_attn_norm, eps, off), chunks, spans, pos_all, rope)
             if w.post_attn_norm is not None:
                 a = ops.rms_norm(a, w.post_attn_norm, eps, off)
             h = h + a
-            f = self.ffn.ffn(layer, ops.rms_norm(h, w.pre_ffn_norm, eps, off))  # ONE call for all rows
+            x = ops.rms_norm(h, w.pre_ffn_norm, eps, off)
+            self.local_s += time.perf_counter() - t  # attention and norms here (larql_serve_local_seconds)
+            f = self.ffn.ffn(layer, x)  # ONE call for all rows
             if w.post_ffn_norm is not None:
                 f = ops.rms_norm(f, w.post_ffn_norm, eps, off)
             h = h + f
@@ -159,7 +166,9 @@ class BatchEngine:
         chunk not asking), every chunk's rows in ONE head request."""
         if not chunks:
             return []
+        local0 = self.local_s
         h = self.forward(chunks)
+        self.step_local.append(self.local_s - local0)
         wanted: list[int] = []
         counts: list[int] = []
         at = 0

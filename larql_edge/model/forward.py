@@ -11,6 +11,7 @@ what lets the FFN tier be a pure function of its input (DESIGN.md §1).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -135,6 +136,7 @@ class Transformer:
     ffn_provider: FfnProvider
     head: HeadProvider
     backend: Backend = field(default_factory=get_backend)
+    local_s: float = field(default=0.0, repr=False, compare=False)  # seconds of attention computed here, so far
 
     @classmethod
     def local(cls, vindex: str | Vindex, backend: Backend | None = None) -> "Transformer":
@@ -188,11 +190,14 @@ class Transformer:
         start = cache.length
         for layer in range(s.num_layers):
             w = self.attn[layer]
+            t = time.perf_counter()
             a = self._attention(layer, ops.rms_norm(h, w.pre_attn_norm, eps, off), cache, start)
             if w.post_attn_norm is not None:
                 a = ops.rms_norm(a, w.post_attn_norm, eps, off)
             h = h + a
-            f = self.ffn_provider.ffn(layer, ops.rms_norm(h, w.pre_ffn_norm, eps, off))
+            x = ops.rms_norm(h, w.pre_ffn_norm, eps, off)
+            self.local_s += time.perf_counter() - t  # attention and norms here: --timings' "local"
+            f = self.ffn_provider.ffn(layer, x)
             if w.post_ffn_norm is not None:
                 f = ops.rms_norm(f, w.post_ffn_norm, eps, off)
             h = h + f

@@ -344,9 +344,9 @@ def generate(model, ids: Sequence[int], max_tokens: int, temperature: float = 0.
         start = cache.length
         targets = targets_of(model.forward([pending, *drafts], cache))
         if greedy:
-            kept, nxt = accept_greedy(drafts, targets)  # type: ignore[arg-type]
+            kept, nxt = accept_greedy(drafts, targets)
         else:
-            kept, nxt = accept(drafts, draft.q, targets, rng)  # type: ignore[arg-type]
+            kept, nxt = accept(drafts, draft.q, targets, rng)
         cache.truncate(start + 1 + kept, windows)  # the last decided token and the kept drafts stay
         adapt.update(len(drafts), kept)
         stats.passes += 1

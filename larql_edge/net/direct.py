@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from larql_edge.errors import LarqlError
 from larql_edge.net.h1 import TransportError
 from larql_edge.net.h1_sync import HttpClient
+from larql_edge.net.hops import Hop, HopLog, server_seconds
 from larql_edge.wire.grid import TOPOLOGY, Target, Topology
 
 log = logging.getLogger("larql.net")
@@ -42,27 +43,39 @@ class DirectPath:
         self.ema: dict[str, float] = {}  # url -> seconds a hop took (moving average)
         self._fallback = {layer: [t.url for t in self.targets if t.serves(layer)] for layer in range(num_layers)}
         self._direct: dict[int, list[str]] = {}
+        self.hops: HopLog | None = None  # a refresh is a hop of the token that makes it (tier "topology")
 
     @property
     def enabled(self) -> bool:
         return bool(self.routers)
 
-    def urls(self, layer: int) -> tuple[list[str], list[str]]:
-        """(the live shards serving ``layer``, fastest first; the command line's targets for it)."""
+    def _live(self, urls) -> list[str]:
         if self.routers and self.clock() >= self.next_refresh:
             self.refresh()
         now = self.clock()
-        direct = [u for u in self._direct.get(layer, ()) if self._down.get(u, (0.0, 0))[0] <= now]
-        direct.sort(key=lambda u: self.ema.get(u, 0.0))  # one never tried goes first: it gets measured
-        return direct, self._fallback.get(layer, [])
+        out = [u for u in urls() if self._down.get(u, (0.0, 0))[0] <= now]
+        out.sort(key=lambda u: self.ema.get(u, 0.0))  # one never tried goes first: it gets measured
+        return out
+
+    def urls(self, layer: int) -> tuple[list[str], list[str]]:
+        """(the live shards serving ``layer``, fastest first; the command line's targets for it)."""
+        return self._live(lambda: self._direct.get(layer, ())), self._fallback.get(layer, [])
+
+    def embed_urls(self, fallback: Sequence[str]) -> list[str]:
+        """The live embed servers, fastest first, then ``fallback`` (the routers, which proxy one)."""
+        direct = self._live(lambda: self.topology.embed if self.topology is not None else ())
+        return direct + [u for u in fallback if u not in direct]
 
     def refresh(self) -> None:
         self.refreshes += 1
         for url in list(self.routers):
+            t0 = time.perf_counter()
             try:
                 r = self.client.request("GET", url + TOPOLOGY, max_body=1 << 20)
             except TransportError:
                 continue
+            if self.hops is not None:
+                self.hops.add(Hop("topology", None, url, time.perf_counter() - t0, server_seconds(r)))
             if r.status_code in (404, 405):  # not a router (a shard serving every layer), or an older one
                 self.routers.remove(url)
                 continue
@@ -82,7 +95,8 @@ class DirectPath:
         self.next_refresh = self.clock() + COOLDOWN_FIRST_S
 
     def is_direct(self, url: str) -> bool:
-        return self.topology is not None and any(t.url == url for t in self.topology.shards)
+        t = self.topology
+        return t is not None and (url in t.embed or any(s.url == url for s in t.shards))
 
     def succeeded(self, url: str, seconds: float) -> None:
         self._down.pop(url, None)

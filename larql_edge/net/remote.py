@@ -110,8 +110,9 @@ class Replicas:
 class RemoteEmbed:
     """Token ids -> scaled input rows, from POST /v1/embed (binary)."""
 
-    def __init__(self, replicas: Replicas, urls: Sequence[str], hidden: int):
+    def __init__(self, replicas: Replicas, urls: Sequence[str], hidden: int, path: DirectPath | None = None):
         self.replicas, self.urls, self.hidden = replicas, list(urls), hidden
+        self.path = path  # with the direct data path: the embed servers the routers list come first
 
     def embed(self, ids: Sequence[int]) -> np.ndarray:
         def decode(r: Reply) -> np.ndarray:
@@ -120,7 +121,8 @@ class RemoteEmbed:
                 raise RemoteError(f"{list(rows.shape)} rows, expected [{len(ids)}, {self.hidden}]: another model?")
             return rows
 
-        return self.replicas.request(self.urls, "POST", "/v1/embed", content=embed_wire.encode_embed_request(ids),
+        urls = self.path.embed_urls(self.urls) if self.path is not None else self.urls
+        return self.replicas.request(urls, "POST", "/v1/embed", content=embed_wire.encode_embed_request(ids),
                                      headers={"content-type": ffn_wire.CONTENT_TYPE, "accept": ffn_wire.CONTENT_TYPE},
                                      decode=decode, hop=("embed", None))
 
@@ -138,12 +140,16 @@ class RemoteHead:
     MAX_ROWS = 64  # rows per many-rows logits request: the embed server's default --max-batch
 
     def __init__(self, replicas: Replicas, urls: Sequence[str], hidden: int, vocab: int, top_k: int = 64,
-                 notice: Callable[[str], None] | None = None):
+                 notice: Callable[[str], None] | None = None, path: DirectPath | None = None):
         self.replicas, self.urls, self.hidden, self.vocab = replicas, list(urls), hidden, vocab
+        self.path = path
         self.top_k = max(1, min(top_k, vocab))
         self.mode = "raw"
         self.many_rows = True  # False once the server refused the many-rows raw form
         self.notice = notice
+
+    def _urls(self) -> list[str]:
+        return self.path.embed_urls(self.urls) if self.path is not None else self.urls
 
     def _raw(self, row: np.ndarray) -> np.ndarray | None:
         def decode(r: Reply) -> np.ndarray | None:
@@ -151,7 +157,7 @@ class RemoteHead:
                 return None  # a server that only answers top-k JSON (LARQL's)
             return embed_wire.decode_logits_response(r.content, self.vocab)
 
-        return self.replicas.request(self.urls, "POST", "/v1/logits", content=embed_wire.encode_logits_request(row),
+        return self.replicas.request(self._urls(), "POST", "/v1/logits", content=embed_wire.encode_logits_request(row),
                                      headers={"content-type": ffn_wire.CONTENT_TYPE, "accept": ffn_wire.CONTENT_TYPE},
                                      decode=decode, hop=("logits", None))
 
@@ -172,7 +178,7 @@ class RemoteHead:
             return out
 
         body = json_lib.dumps({"residual": row.tolist(), "top_k": self.top_k, "temperature": 1.0}).encode()
-        return self.replicas.request(self.urls, "POST", "/v1/logits", content=body,
+        return self.replicas.request(self._urls(), "POST", "/v1/logits", content=body,
                                      headers={"content-type": "application/json"}, decode=decode, hop=("logits", None))
 
     def top_k_rows(self, h: np.ndarray, k: int) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -200,7 +206,7 @@ class RemoteHead:
                 raise RemoteError(f"malformed many-rows logits ({e})") from None
             return out
 
-        return self.replicas.request(self.urls, "POST", f"/v1/logits?rows={rows.shape[0]}&top_k={k}&temperature=1",
+        return self.replicas.request(self._urls(), "POST", f"/v1/logits?rows={rows.shape[0]}&top_k={k}&temperature=1",
                                      content=embed_wire.encode_logits_rows_request(rows),
                                      headers={"content-type": ffn_wire.CONTENT_TYPE}, decode=decode, hop=("logits", None))
 
@@ -282,6 +288,7 @@ class RemoteFfn:
             return out
 
         body = ffn_wire.encode_request(layer, x)
+        self.path.hops = self.replicas.hops
         direct, fallback = self.path.urls(layer)
         out = None
         if self.hedger is not None and len(direct) >= 2:
@@ -313,12 +320,13 @@ class RemoteFfn:
             self.path.succeeded(url, wall)
             return value, wall, server_seconds(r)
 
+        t0 = time.perf_counter()
         got = hedger.run(rows, urls[0], urls[1], send, on_late=self.path.late)
         if got is None:
             return None  # every request sent failed: the usual failover (routers included) takes over
-        url, (value, wall, server), hedged = got
-        if self.replicas.hops is not None:
-            self.replicas.hops.add(Hop("ffn", layer, url, wall, server, hedged))
+        url, (value, _, server), hedged = got
+        if self.replicas.hops is not None:  # the hop as this thread waited for it (hand-offs included)
+            self.replicas.hops.add(Hop("ffn", layer, url, time.perf_counter() - t0, server, hedged))
         return value
 
 
@@ -349,23 +357,48 @@ def build_tiers(s: RemoteSettings, hidden: int, num_layers: int, vocab: int,
                 notice: Callable[[str], None] | None = None, hops: HopLog | None = None) -> RemoteTiers:
     """The remote providers of the forward pass, with one keep-alive client for all three tiers;
     every way the targets fail to cover the model is a `RemoteError` saying which flag to fix."""
+    check_settings(s)
     client = make_client(s.timeout)
     ffn_targets = parse_targets(s.ffn, "--ffn") if s.ffn else []
     embed_urls = [t.url for t in parse_targets(s.embed, "--embed")] if s.embed else [t.url for t in ffn_targets if t.layers is None]
     if not embed_urls:
         raise RemoteError("--embed URL is needed when --ffn names shards by layer range (a router URL serves both)")
     ffn = None
+    path = DirectPath(client, ffn_targets, num_layers, enabled=s.direct)
+    path.hops = hops
     if ffn_targets:
         hedger = Hedger(lambda: make_client(s.timeout), s.hedge_budget) if s.hedge and s.direct else None
         ffn = RemoteFfn(Replicas(client, s.retries, what="FFN", hops=hops), ffn_targets, hidden, num_layers,
-                        f16=s.ffn_f16, path=DirectPath(client, ffn_targets, num_layers, enabled=s.direct), hedger=hedger)
+                        f16=s.ffn_f16, path=path, hedger=hedger)
         missing = ffn.missing_layers()
         if missing:
             holes = ", ".join(str(g) for g in gaps(set(range(num_layers)) - set(missing), num_layers))
             raise RemoteError(f"no --ffn target serves layers {holes} (the model has {num_layers} layers)")
     replicas = Replicas(client, s.retries, what="embed server", hops=hops)
-    return RemoteTiers(RemoteEmbed(replicas, embed_urls, hidden), ffn,
-                       RemoteHead(replicas, embed_urls, hidden, vocab, top_k=s.logits_top_k, notice=notice))
+    # --embed given: those servers, as given. Else the routers' embed servers first (direct path).
+    epath = path if path.enabled and not s.embed else None
+    if epath is not None:
+        replicas.on_success, replicas.on_failure = epath.succeeded, epath.failed
+    return RemoteTiers(RemoteEmbed(replicas, embed_urls, hidden, path=epath), ffn,
+                       RemoteHead(replicas, embed_urls, hidden, vocab, top_k=s.logits_top_k, notice=notice, path=epath))
+
+
+def add_path_flags(f) -> None:
+    """The data path's flags, the same for `larql` and larql-serve (``f``: a `larql_edge.config.Flags`)."""
+    f.toggle("--direct", default=True, help="learn the shards from the --ffn router(s) and send each layer's "
+             "FFN request straight to one (the router stays the fallback); --no-direct sends everything via the router")
+    f.toggle("--hedge", default=True, help="with --direct: a hop slower than the p95 of recent hops goes to a second "
+             "live replica too, and the first answer is taken")
+    f.add("--hedge-budget", type=float, default=RemoteSettings.hedge_budget, help="at most this many hedges a second")
+
+
+def check_settings(s: RemoteSettings) -> None:
+    import math
+
+    if not (math.isfinite(s.hedge_budget) and s.hedge_budget >= 0):
+        raise RemoteError("--hedge-budget must be a number >= 0 (hedges per second)")
+    if not (math.isfinite(s.timeout) and s.timeout > 0) or s.retries < 0:
+        raise RemoteError("--timeout must be a positive number of seconds and --retries >= 0")
 
 
 def make_client(timeout: float) -> HttpClient:

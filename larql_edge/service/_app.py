@@ -23,6 +23,10 @@ from .metrics import Metrics
 
 # Clients hold one connection for a whole generation (a request per layer per token): keep it open.
 KEEP_ALIVE_S = 75
+# SIGTERM drains: what is in flight then has this long to finish (serve: its sequences, then Sanic's
+# wait for the connections), after which it is cut. Kubernetes' default grace is 30 s. Each server's
+# --drain-seconds sets it (app.config.GRACEFUL_SHUTDOWN_TIMEOUT).
+DRAIN_S = 10.0
 
 
 def make_app(name: str, role: str, hooks: Hooks, *, max_body: int, access_log: bool = False,
@@ -32,6 +36,7 @@ def make_app(name: str, role: str, hooks: Hooks, *, max_body: int, access_log: b
     app.config.KEEP_ALIVE_TIMEOUT = KEEP_ALIVE_S
     app.config.ACCESS_LOG = access_log
     app.config.MOTD = False
+    app.config.GRACEFUL_SHUTDOWN_TIMEOUT = DRAIN_S
     app.ctx.hooks = hooks
     app.ctx.draining = False
     app.ctx.compute = compute = Compute(compute_threads, name=f"{role}-compute")
@@ -41,6 +46,26 @@ def make_app(name: str, role: str, hooks: Hooks, *, max_body: int, access_log: b
     metrics.install(app)
     app.blueprint(ops_bp)
 
+    # SIGTERM (or SIGINT) drains, first of every stop listener: readiness goes false at once, the
+    # routers are left, the role finishes what it holds (`Hooks.drain`), and every reply from now on
+    # closes its connection, so a client's next request goes elsewhere (or, refused, is retried)
+    # instead of keeping a busy keep-alive connection here until it is cut. Sanic then closes the
+    # listener and the idle connections and waits up to DRAIN_S for the busy ones.
+    async def _drain(app_):
+        app_.ctx.draining = True
+        membership = getattr(app_.ctx, "membership", None)
+        if membership is not None:
+            membership.stop()  # its task leaves the routers now; its own stop listener awaits it
+        if hooks.drain is not None:
+            await hooks.drain(app_.config.GRACEFUL_SHUTDOWN_TIMEOUT)
+
+    app.register_listener(_drain, "before_server_stop", priority=1_000_000)
+
+    @app.on_response(priority=1_000_000)
+    async def _close_when_draining(request, response):
+        if request.app.ctx.draining:
+            request.stream.keep_alive = False
+
     @app.on_response(priority=-999)
     async def _server_timing(request, response):
         # Every server says what it spent on a request, so a client can tell its network time from
@@ -49,8 +74,8 @@ def make_app(name: str, role: str, hooks: Hooks, *, max_body: int, access_log: b
         if t0 is not None:
             response.headers[SERVER_TIMING] = server_timing_value(time.perf_counter() - t0)
 
-    @app.before_server_stop
+    @app.after_server_stop
     async def _stop_compute(app_):
-        compute.shutdown()
+        compute.shutdown()  # after the connections: a request still in flight keeps its compute thread
 
     return app

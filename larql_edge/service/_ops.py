@@ -11,7 +11,7 @@ Each role says what they answer through `Hooks` kept on ``app.ctx.hooks``:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +28,8 @@ class Hooks:
     stats: Callable[[Request], dict[str, Any]]
     inflight: Callable[[], int] = lambda: 0
     openapi: dict[str, Any] | None = None
+    # On SIGTERM: finish (or end cleanly) what is in flight within the given seconds (`make_app`).
+    drain: Callable[[float], Awaitable[None]] | None = None
 
 
 bp = Blueprint("ops")

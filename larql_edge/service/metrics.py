@@ -282,3 +282,42 @@ class Metrics:
         @app.after_server_stop
         async def _dead(app_):
             self.mark_process_dead()
+
+
+# One hop of the data path: ~0.1 ms on loopback, tens of ms over a WAN.
+HOP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class HopMetrics:
+    """``larql_<role>_hop_compute_seconds{tier}`` (what the server said it spent: Server-Timing),
+    ``..._hop_network_seconds{tier}`` (the rest of the hop's wall time), ``..._local_seconds`` (attention
+    here, per token or step) and ``..._hedges_total{outcome}``: the split of a token's time that shows
+    which hop is slow. Shared by the client (``larql generate --metrics-file``) and larql-serve."""
+
+    def __init__(self, metrics: Metrics):
+        self.compute = metrics.histogram("hop_compute_seconds", "Server time of one hop, by tier (Server-Timing)",
+                                         ("tier",), HOP_BUCKETS)
+        self.network = metrics.histogram("hop_network_seconds", "Network (and queueing) time of one hop, by tier",
+                                         ("tier",), HOP_BUCKETS)
+        self.local = metrics.histogram("local_seconds", "Attention computed here, per token (client) or step (serve)",
+                                       (), HOP_BUCKETS)
+        self.hedges = metrics.counter("hedges", "Hedged hops: sent to a second replica, and won by it", ("outcome",))
+        for outcome in ("sent", "won"):
+            self.hedges.labels(outcome)  # both series exist from the start (at 0)
+        self._hedged = (0, 0)
+
+    def record(self, hops, local_s: float | None = None) -> None:
+        for h in hops:
+            self.compute.labels(h.tier).observe(h.server_s or 0.0)
+            self.network.labels(h.tier).observe(h.network_s)
+        if local_s is not None:
+            self.local.observe(local_s)
+
+    def hedged(self, sent: int, won: int) -> None:
+        """The hedger's running totals; counts what is new since the last call."""
+        s0, w0 = self._hedged
+        if sent > s0:
+            self.hedges.labels("sent").inc(sent - s0)
+        if won > w0:
+            self.hedges.labels("won").inc(won - w0)
+        self._hedged = (sent, won)

@@ -11,6 +11,7 @@ from functools import partial
 from sanic import Sanic
 
 from larql_edge.config import Flags, export_blas_threads
+from larql_edge.service._app import DRAIN_S
 
 
 def add_server_flags(flags: Flags, port: int, workers: bool = False) -> None:
@@ -22,6 +23,8 @@ def add_server_flags(flags: Flags, port: int, workers: bool = False) -> None:
     flags.add("--blas-threads", type=int, default=1,
               help="BLAS threads per process (processes sharing a machine must not oversubscribe it)")
     flags.add("--log-level", default="info", help="debug, info, warning or error")
+    flags.add("--drain-seconds", type=float, default=DRAIN_S,
+              help="on SIGTERM, how long requests in flight have to finish before they are cut")
     flags.switch("--access-log", help="log every request")
 
 
@@ -47,9 +50,12 @@ def setup_logging(level: str) -> None:
     log.propagate = False
 
 
-def serve(factory: Callable[[], Sanic], host: str, port: int, workers: int = 1, access_log: bool = False) -> None:
+def serve(factory: Callable[[], Sanic], host: str, port: int, workers: int = 1, access_log: bool = False,
+          drain: float = DRAIN_S) -> None:
     """Run the app ``factory()`` builds. One worker is one process (what a supervisor stops by its
-    pid); more run under Sanic's worker manager, each worker building its own app."""
+    pid); more run under Sanic's worker manager, each worker building its own app. SIGTERM drains
+    for at most ``drain`` seconds (`make_app`)."""
+    factory = partial(_with_drain, factory, drain)
     if workers <= 1:
         factory().run(host=host, port=port, single_process=True, access_log=access_log, motd=False)
         return
@@ -59,3 +65,9 @@ def serve(factory: Callable[[], Sanic], host: str, port: int, workers: int = 1, 
     app = loader.load()
     app.prepare(host=host, port=port, workers=workers, access_log=access_log, motd=False)
     Sanic.serve(primary=app, app_loader=loader)
+
+
+def _with_drain(factory: Callable[[], Sanic], drain: float) -> Sanic:
+    app = factory()
+    app.config.GRACEFUL_SHUTDOWN_TIMEOUT = max(0.0, drain)
+    return app

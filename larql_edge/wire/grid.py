@@ -104,10 +104,12 @@ class Topology:
     version: str  # changes whenever the shards or their ranges change
     shards: tuple[Target, ...]
     refresh_s: float  # how often a client should ask again (the grid's heartbeat interval)
+    embed: tuple[str, ...] = ()  # live embed servers: embeddings and logits go straight to one too
 
     def to_json(self) -> dict:
         return {"version": self.version, "refresh_s": self.refresh_s,
-                "shards": [{"url": t.url, "layers": str(t.layers) if t.layers is not None else "all"} for t in self.shards]}
+                "shards": [{"url": t.url, "layers": str(t.layers) if t.layers is not None else "all"} for t in self.shards],
+                "embed": list(self.embed)}
 
     @classmethod
     def from_json(cls, obj: object) -> "Topology":
@@ -126,7 +128,11 @@ class Topology:
         refresh = obj.get("refresh_s", 2.0)
         if not isinstance(refresh, (int, float)) or isinstance(refresh, bool) or not 0 < refresh <= 3600:
             raise ProtocolError('"refresh_s" must be a number of seconds, up to 3600')
-        return cls(_str(obj, "version", limit=128), tuple(shards), float(refresh))
+        embed = obj.get("embed", [])
+        if not isinstance(embed, list) or not all(isinstance(u, str) for u in embed):
+            raise ProtocolError('"embed" must be a list of URLs')
+        return cls(_str(obj, "version", limit=128), tuple(shards), float(refresh),
+                   tuple(check_url(u, "a topology embed URL") for u in embed[:MAX_LAYERS]))
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,13 @@
 """Compute backends behind one small seam.
 
-- ``compact`` (the default): products on the weights as the vindex stores them (quantized blocks,
-  f16 tables) through numba kernels, no float32 copy of a table (DESIGN.md, "Kernels").
+- ``compact`` (the default on every platform): products on the weights as the vindex stores them
+  (quantized blocks, f16 tables) through ggml's own CPU kernels (``libggml-python``: AVX2 on x86-64,
+  NEON on arm64 Linux and Apple Silicon), no float32 copy of a table (DESIGN.md, "Kernels").
 - ``numpy``: everything dequantized to float32 and multiplied by BLAS: the exact reference.
-- ``mlx``: Metal, chosen automatically on Apple Silicon run natively (also runs on Linux CPUs as
-  ``mlx[cpu]``, which is how its code path is tested off a Mac).
+- ``mlx``: Metal through MLX, opt-in (``LARQL_BACKEND=mlx``). Not the Mac default: it dequantizes every
+  table to float32 (a 270M model's tied lm_head alone grows from 178 MB of Q8_0 to 671 MB) while ggml's
+  NEON kernels read the stored blocks; ggml's own Metal backend (in the macOS wheel) is not wired up.
+  Used only when ggml cannot be loaded on Apple Silicon.
 
 ``LARQL_BACKEND=compact|numpy|mlx`` overrides. Every tier calls the same model math through
 ``get_backend()``, so a role never branches on the backend itself.
@@ -19,7 +22,7 @@ from larql_edge.config import backend_name
 from larql_edge.model.backend._base import Backend
 from larql_edge.model.backend._numpy import NumpyBackend
 
-__all__ = ["Backend", "NumpyBackend", "get_backend", "default_backend_name"]
+__all__ = ["Backend", "NumpyBackend", "choose_backend", "default_backend_name", "get_backend"]
 
 
 def _mlx_available() -> bool:
@@ -30,12 +33,29 @@ def _mlx_available() -> bool:
     return True
 
 
+def _ggml_available() -> bool:
+    from larql_edge.model.kernels._ggml import available
+
+    return available()
+
+
+def choose_backend(system: str, machine: str, ggml: bool, mlx: bool) -> str:
+    """The automatic choice, as a pure function of the platform and what loads (tested on Linux):
+    ggml wherever it loads; else MLX on Apple Silicon run natively; else the float32 reference."""
+    if ggml:
+        return "compact"
+    if system == "Darwin" and machine == "arm64" and mlx:
+        return "mlx"
+    return "numpy"
+
+
 def default_backend_name() -> str:
     wanted = backend_name()
     if wanted:
         return wanted
+    ggml = _ggml_available()
     native_apple = platform.system() == "Darwin" and platform.machine() == "arm64"
-    return "mlx" if native_apple and _mlx_available() else "compact"
+    return choose_backend(platform.system(), platform.machine(), ggml, native_apple and not ggml and _mlx_available())
 
 
 @lru_cache(maxsize=None)
@@ -51,6 +71,8 @@ def get_backend(name: str | None = None) -> Backend:
         return MlxBackend()
     if name == "compact":
         from larql_edge.model.backend._compact import CompactBackend
+        from larql_edge.model.kernels._ggml import lib
 
+        lib()  # a clear KernelError now if libggml-python is missing, not on the first product
         return CompactBackend()
     raise ValueError(f"unknown backend {name!r}")

@@ -1,8 +1,11 @@
-"""Block geometry of the compact formats (the package's error type, `KernelError`, is in errors.py)."""
+"""Block geometry of the compact formats: gguf-py's ``GGML_QUANT_SIZES``, the one table (format/quant.py's
+``BLOCK`` is the same table for the vindex's block names); the error type, `KernelError`, is in errors.py."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from larql_edge.errors import KernelError
 
@@ -14,28 +17,26 @@ class BlockFormat:
     name: str
     block_values: int  # values per block (1 for the plain float formats)
     block_bytes: int  # bytes per block
-    group: int  # values per kernel group (x is zero-padded to a multiple of it)
 
     def blocks_per_row(self, cols: int) -> int:
         return -(-cols // self.block_values)
 
     def row_bytes(self, cols: int) -> int:
-        """Bytes of one stored row: K-quant rows are padded with zeros to whole blocks."""
+        """Bytes of one stored row: quantized rows are padded with zeros to whole blocks (K-quants: 256)."""
         return self.blocks_per_row(cols) * self.block_bytes
 
     def padded_cols(self, cols: int) -> int:
-        """Columns the kernels read from x: ``cols`` rounded up to a whole group."""
-        return -(-cols // self.group) * self.group
+        """Columns ggml reads from x: ``cols`` rounded up to whole blocks (x is zero past ``cols``)."""
+        return self.blocks_per_row(cols) * self.block_values
 
 
-# ggml's block layouts (ggml-common.h): block_q8_0, block_q4_K, block_q6_K.
-FORMATS: dict[str, BlockFormat] = {
-    "q8_0": BlockFormat("q8_0", 32, 34, 32),
-    "q4_k": BlockFormat("q4_k", 256, 144, 64),
-    "q6_k": BlockFormat("q6_k", 256, 210, 128),
-    "f16": BlockFormat("f16", 1, 2, 64),
-    "f32": BlockFormat("f32", 1, 4, 1),
-}
+def _fmt(name: str) -> BlockFormat:
+    n, b = GGML_QUANT_SIZES[GGMLQuantizationType[name.upper()]]
+    return BlockFormat(name, n, b)
+
+
+# the kernels' names (lower case) for the ggml types they compute on, as the vindex stores them
+FORMATS: dict[str, BlockFormat] = {f: _fmt(f) for f in ("q4_k", "q6_k", "q8_0", "q5_0", "q4_1", "f16", "f32")}
 
 
 def block_format(fmt: str) -> BlockFormat:

@@ -1,4 +1,4 @@
-"""CompactMatrix: a weight [out, in] kept in its compact (block) form, multiplied in place."""
+"""CompactMatrix: a weight [out, in] kept in its compact (block) form, multiplied in place by ggml."""
 
 from __future__ import annotations
 
@@ -7,20 +7,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from larql_edge.model.kernels import _numba_impl as nk
-from larql_edge.model.kernels import _threads
+from larql_edge.model.kernels import _ggml, _threads
 from larql_edge.model.kernels._formats import FORMATS, KernelError, block_format
-from larql_edge.model.kernels._quantize import QUANTIZERS
 
-_MATMUL = {"q8_0": nk.q8_0_matmul, "q4_k": nk.q4_k_matmul, "q6_k": nk.q6_k_matmul, "f16": nk.f16_matmul}
-_ROWS = {"q8_0": nk.q8_0_rows, "q4_k": nk.q4_k_rows, "q6_k": nk.q6_k_rows, "f16": nk.f16_rows}
-
-# From this many rows of x on, a product decodes W tile by tile into float32 and multiplies each
-# tile with BLAS: the fused kernels keep their accumulators in memory (numba cannot hold them in
-# registers), so past a few rows BLAS's register-blocked SGEMM wins even with the decode added.
-# Measured (1 thread, Gemma shapes): fused wins at <= 8 rows (lm_head 8 rows: 48 vs 85 ms per 65k
-# rows), tiled at >= 16 (gate 16 rows: 1.95 vs 3.4 ms; lm_head 32 rows: 207 vs 301 ms).
-TILED_FROM_ROWS = 16
+# From this many rows of x on, a product decodes W tile by tile into float32 (ggml's dequantizer) and
+# multiplies each tile with BLAS instead of ggml's mul_mat; the wheel's x86 build has no llamafile
+# sgemm and no AVX-512/VNNI, so its batched path is a loop of vec_dot (DESIGN.md, "Kernels").
+TILED_FROM_ROWS = 1 << 30  # measured below: ggml's mul_mat is never slower here (benchmarks/kernels.py)
 _TILE_ROWS = 256  # a 256 x 2048 float32 tile is 2 MiB: it stays in L2/L3 between decode and SGEMM
 
 # A product is split across the kernel threads only if it is at least this many multiply-adds;
@@ -32,14 +25,16 @@ PARALLEL_FROM_MACS = 4_000_000
 class CompactMatrix:
     """A weight ``[rows, cols]`` (``y = x @ W.T``) held as its block bytes, never as a float32 copy.
 
-    ``fmt`` is ``"q4_k" | "q6_k" | "q8_0" | "f16"`` (the compact formats) or ``"f32"`` (the exact
-    reference, numpy BLAS). ``data`` is ``[rows, row_bytes]`` uint8 (float16/float32 for the float
-    formats), possibly a read-only memory map shared with other processes through the page cache.
+    ``fmt`` is one of ggml's ``"q4_k" | "q6_k" | "q8_0" | "q5_0" | "q4_1" | "f16"`` (computed by ggml's
+    kernels on these bytes) or ``"f32"`` (the exact reference, numpy BLAS). ``data`` is ``[rows,
+    row_bytes]`` uint8 (float16/float32 for the float formats), possibly a read-only memory map shared
+    with other processes through the page cache.
     """
 
     fmt: str
     shape: tuple[int, int]
     data: np.ndarray = field(repr=False)
+    _graphs: _ggml.MatMulCache | None = field(default=None, repr=False)
 
     # -- construction -------------------------------------------------------------------------
 
@@ -84,7 +79,10 @@ class CompactMatrix:
 
     @classmethod
     def quantize(cls, w: np.ndarray, fmt: str) -> CompactMatrix:
-        """Quantize float weights ``[rows, cols]`` into ``fmt`` (a new in-memory array of its size)."""
+        """Quantize float weights ``[rows, cols]`` into ``fmt`` (a new in-memory array of its size), with
+        the package's one encoder per block type (`larql_edge.format.quant`)."""
+        from larql_edge.format.quant import q6k_to_ggml, quantize_matrix
+
         block_format(fmt)
         if not isinstance(w, np.ndarray) or w.ndim != 2 or w.dtype.kind != "f":
             raise KernelError("quantize takes a 2-D floating-point numpy array [rows, cols]")
@@ -93,8 +91,10 @@ class CompactMatrix:
             return cls.from_array(np.asarray(w, dtype=np.float16 if fmt == "f16" else np.float32))
         if not np.isfinite(w).all():
             raise KernelError("cannot quantize a weight with NaN or infinite values")
-        raw = QUANTIZERS[fmt](np.ascontiguousarray(w, dtype=np.float32))
-        return cls.from_blocks(raw.reshape(-1), fmt, *w.shape)
+        raw = quantize_matrix(np.ascontiguousarray(w, dtype=np.float32), fmt.upper()).data
+        if fmt == "q6_k":  # the encoder writes LARQL's Q6_K bit layout; ggml reads its own
+            raw = q6k_to_ggml(raw.reshape(-1))
+        return cls.from_blocks(np.ascontiguousarray(raw).reshape(-1), fmt, *w.shape)
 
     # -- properties ---------------------------------------------------------------------------
 
@@ -108,25 +108,43 @@ class CompactMatrix:
 
     # -- compute ------------------------------------------------------------------------------
 
-    def matmul(self, x: np.ndarray) -> np.ndarray:
-        """``x @ W.T``: x float32 ``[n, cols]`` (or ``[cols]``) -> float32 ``[n, rows]`` (or ``[rows]``)."""
+    def matmul(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """``x @ W.T``: x float32 ``[n, cols]`` (or ``[cols]``) -> float32 ``[n, rows]`` (or ``[rows]``).
+
+        ``out`` (float32 ``[n, rows]``, C-contiguous) receives the result instead of a new array."""
         rows, cols = self.shape
         x2, vector = self._check_x(x)
-        if self.fmt == "f32":
-            y = x2 @ self.data.T
-            return y[0] if vector else y
         n = x2.shape[0]
-        out = np.empty((n, rows), np.float32)
+        if out is None:
+            out = np.empty((n, rows), np.float32)
+        elif out.dtype != np.float32 or out.shape != (n, rows) or not out.flags.c_contiguous:
+            raise KernelError(f"out must be a C-contiguous float32 [{n}, {rows}] array")
+        if self.fmt == "f32":
+            np.matmul(x2, self.data.T, out=out)
+            return out[0] if vector else out
         if n:
-            f = FORMATS[self.fmt]
-            pc = f.padded_cols(cols)
+            pc = FORMATS[self.fmt].padded_cols(cols)
             if pc != cols or not x2.flags.c_contiguous:
                 xp = np.zeros((n, pc), np.float32)
                 xp[:, :cols] = x2
                 x2 = xp
-            work = _tiled if n >= TILED_FROM_ROWS else _fused
-            _threads.split_rows(lambda a, b: work(self, x2, out, a, b), rows, n * rows * cols >= PARALLEL_FROM_MACS)
+            xs = x2
+
+            def work(a: int, b: int) -> None:
+                if n >= TILED_FROM_ROWS:
+                    _tiled(self, xs, out, a, b)
+                else:
+                    self._ggml(xs, out, a, b)
+
+            _threads.split_rows(work, rows, n * rows * cols >= PARALLEL_FROM_MACS)
         return out[0] if vector else out
+
+    def _ggml(self, x: np.ndarray, out: np.ndarray, a: int, b: int) -> None:
+        g = self._graphs
+        if g is None:
+            pc = FORMATS[self.fmt].padded_cols(self.shape[1])
+            g = self._graphs = _ggml.MatMulCache(self.data, _ggml.TYPE[self.fmt], pc, self.shape[0])
+        g.run(x.shape[0], a, b, x.ctypes.data, out.ctypes.data)
 
     def rows(self, idx) -> np.ndarray:
         """Dequantized rows ``W[idx]`` as float32 ``[k, cols]`` (embedding lookups)."""
@@ -144,8 +162,7 @@ class CompactMatrix:
             return self.data[ids].copy()
         pc = FORMATS[self.fmt].padded_cols(cols)
         out = np.empty((ids.size, pc), np.float32)
-        if ids.size:
-            _ROWS[self.fmt](_readonly(self.data), ids, cols, out)
+        _decode_rows(self, ids, out)
         return out[:, :cols] if pc != cols else out
 
     def dequantize(self) -> np.ndarray:
@@ -175,16 +192,17 @@ def _dims(rows, cols) -> tuple[int, int]:
     return r, c
 
 
-def _readonly(a: np.ndarray) -> np.ndarray:
-    """A read-only view: numba compiles one kernel per writeable flag, and vindex maps are read-only,
-    so every call passes a read-only view and only that specialization is ever compiled."""
-    v = a.view()
-    v.flags.writeable = False
-    return v
-
-
-def _fused(m: CompactMatrix, x: np.ndarray, out: np.ndarray, a: int, b: int) -> None:
-    _MATMUL[m.fmt](_readonly(m.data[a:b]), x, m.shape[1], out, a)
+def _decode_rows(m: CompactMatrix, ids: np.ndarray, out: np.ndarray) -> None:
+    """``out[k] = W[ids[k]]`` decoded by ggml; a run of consecutive ids is one call."""
+    data = m.data
+    k = 0
+    while k < ids.size:
+        e = k + 1
+        while e < ids.size and ids[e] == ids[e - 1] + 1:
+            e += 1
+        r = int(ids[k])
+        _ggml.to_float(m.fmt, data[r : r + e - k], out[k:e])
+        k = e
 
 
 _tile_buffers = threading.local()
@@ -199,14 +217,11 @@ def _tile(shape: tuple[int, int]) -> np.ndarray:
 
 
 def _tiled(m: CompactMatrix, x: np.ndarray, out: np.ndarray, a: int, b: int) -> None:
-    cols = m.shape[1]
     pc = x.shape[1]
     tile = _tile((_TILE_ROWS, pc))
-    decode = _ROWS[m.fmt]
-    data = _readonly(m.data)
     for s in range(a, b, _TILE_ROWS):
         e = min(b, s + _TILE_ROWS)
         t = tile[: e - s]
-        decode(data, np.arange(s, e, dtype=np.int64), cols, t)
+        _ggml.to_float(m.fmt, m.data[s:e], t)
         # padded columns of t hold decoded padding (zeros) and x is zero there: no slicing needed
         np.matmul(x, t.T, out=out[:, s:e])

@@ -16,7 +16,8 @@ from larql_edge.config import Flags
 from larql_edge.errors import VindexError
 from larql_edge.format.vindex import Vindex
 from larql_edge.model.forward import Transformer
-from larql_edge.net.remote import RemoteSettings, build_tiers
+from larql_edge.net.hops import HopLog
+from larql_edge.net.remote import RemoteSettings, add_path_flags, build_tiers
 
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
@@ -35,14 +36,16 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
           help="with an embed server that answers top-k JSON only (LARQL's): how many candidates to ask for")
     f.add("--retries", type=int, default=10, help="attempts beyond the first for a failed remote request "
           "(on the next replica, with exponential backoff capped at 2 s: ~15 s in all by default)")
+    add_path_flags(f)
 
 
 def settings(args: argparse.Namespace) -> RemoteSettings:
     return RemoteSettings(ffn=args.ffn, embed=args.embed, ffn_f16=args.ffn_f16, timeout=args.timeout,
-                          retries=args.retries, logits_top_k=args.logits_top_k)
+                          retries=args.retries, logits_top_k=args.logits_top_k, direct=args.direct, hedge=args.hedge,
+                          hedge_budget=args.hedge_budget)
 
 
-def build_model(args: argparse.Namespace):
+def build_model(args: argparse.Namespace, hops: HopLog | None = None):
     if not args.vindex:
         raise VindexError("--vindex is required (or set LARQL_VINDEX)")
     remote = bool(args.embed or args.ffn)
@@ -53,11 +56,11 @@ def build_model(args: argparse.Namespace):
         threadpool_limits(threads)
     vx = Vindex.open(args.vindex)
     if remote:
-        return build_remote(vx, settings(args)), vx.load_tokenizer()
+        return build_remote(vx, settings(args), hops), vx.load_tokenizer()
     return Transformer.local(vx), vx.load_tokenizer()
 
 
-def build_remote(vx: Vindex, s: RemoteSettings) -> Transformer:
+def build_remote(vx: Vindex, s: RemoteSettings, hops: HopLog | None = None) -> Transformer:
     """Attention (and norms) from ``vx``; embeddings, logits and FFN from the remote tiers (the FFN
     stays local without ``--ffn``)."""
     from larql_edge.model.backend import get_backend
@@ -67,7 +70,7 @@ def build_remote(vx: Vindex, s: RemoteSettings) -> Transformer:
     spec = ModelSpec.from_index(vx.index)
     be = get_backend()
     tiers = build_tiers(s, spec.hidden_size, spec.num_layers, spec.vocab_size,
-                        notice=lambda text: print(f"larql: {text}", file=sys.stderr))
+                        notice=lambda text: print(f"larql: {text}", file=sys.stderr), hops=hops)
     return Transformer(spec=spec, attn=load_attention(vx, spec, be), embedder=tiers.embedder,
                        ffn_provider=tiers.ffn if tiers.ffn is not None else LocalFfn(vx, spec, backend=be),
                        head=tiers.head, backend=be)

@@ -141,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
         return e.exit_code
     from larql_edge.roles.embed.app import create_app
 
-    serve(partial(create_app, cfg), cfg.host, cfg.port, workers=cfg.workers, access_log=cfg.access_log)
+    serve(partial(create_app, cfg), cfg.host, cfg.port, workers=cfg.workers, access_log=cfg.access_log,
+          drain=args.drain_seconds)
     return 0
 
 

@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
 
     log.info("larql-ffn: %s layers %s (%d of %d) loaded in %.2fs; listening on http://%s:%d",
              shard.model, shard.range, len(shard.range), shard.spec.num_layers, shard.load_seconds, args.host, args.port)
-    serve(factory, args.host, args.port, access_log=args.access_log)
+    serve(factory, args.host, args.port, access_log=args.access_log, drain=args.drain_seconds)
     return 0
 
 

@@ -70,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
                     upstream_ms_per_row=args.upstream_ms_per_row)
     log.info("larql-router listening on http://%s:%d (%d static shards, %d static embed)",
              args.host, args.port, len(shards), len(embeds))
-    serve(lambda: create_app(registry, args.grid_key, limits), args.host, args.port, access_log=args.access_log)
+    serve(lambda: create_app(registry, args.grid_key, limits), args.host, args.port, access_log=args.access_log,
+          drain=args.drain_seconds)
     return 0
 
 

@@ -77,7 +77,7 @@ def openapi_spec(deployment: dict | None = None) -> dict:
                                {"403": err("Not this member's token"), "404": err("Unknown member")})
     paths["/v1/grid"] = {"get": {"summary": "Members, coverage and gaps", "operationId": "grid", "tags": ["grid"],
                                  "responses": {"200": ok("The grid", ref("Grid"))}}}
-    paths[TOPOLOGY] = {"get": {"summary": "Live FFN shards and their layers (the direct data path's map)",
+    paths[TOPOLOGY] = {"get": {"summary": "Live FFN shards, their layers, and live embed servers (the direct data path's map)",
                                "operationId": "topology", "tags": ["grid"],
                                "responses": {"200": ok("The topology", ref("Topology"))}}}
     paths.update(ops_paths("router", ref("Ready"), ref("Stats"), "Draining"))
@@ -134,6 +134,7 @@ def openapi_spec(deployment: dict | None = None) -> dict:
                 "shards": {"type": "array", "items": {
                     "type": "object", "required": ["url", "layers"],
                     "properties": {"url": string, "layers": {"type": "string", "description": "A-B (inclusive) or all"}}}},
+                "embed": {"type": "array", "items": string, "description": "Live embed servers"},
             },
         },
         "Grid": {

@@ -266,15 +266,17 @@ class Registry:
         return gaps({layer for layer, c in replicas.items() if c > 0}, n)
 
     def topology(self) -> Topology:
-        """The live FFN members and their layers, for clients that send each layer straight to a shard.
+        """The live FFN members and their layers (and the live embed servers), for clients that send
+        each request straight to a member.
         A member in cooldown is left out (clients fall back to this router for its layers), so a
         failure the router noticed reaches the clients at their next refresh."""
         now = self.clock()
         shards = tuple(sorted((Target(m.url, m.layers) for m in self.members.values()
                                if m.capability == "ffn" and m.available(now)),
                               key=lambda t: (t.layers.start if t.layers else -1, t.url)))
-        version = hashlib.sha256(repr([(t.url, str(t.layers)) for t in shards]).encode()).hexdigest()[:16]
-        return Topology(version, shards, self.heartbeat_interval)
+        embed = tuple(sorted(m.url for m in self.members.values() if m.capability == "embed" and m.available(now)))
+        version = hashlib.sha256(repr(([(t.url, str(t.layers)) for t in shards], embed)).encode()).hexdigest()[:16]
+        return Topology(version, shards, self.heartbeat_interval, embed)
 
     def view(self) -> dict:
         now = self.clock()

@@ -7,6 +7,7 @@ attention from the vindex (the ``attn`` preset carries it), embeddings, FFN and 
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,12 +16,15 @@ from typing import Any
 from sanic import Sanic
 from sanic.request import Request
 
+from larql_edge.errors import ServiceUnavailable
 from larql_edge.format.vindex import Vindex
 from larql_edge.model.batch import BatchEngine, kv_bytes_per_token
 from larql_edge.model.speculative import Settings
 from larql_edge.model.tokens import TextBound
+from larql_edge.net.hops import HopLog
 from larql_edge.net.remote import RemoteSettings, build_tiers
 from larql_edge.service import Hooks, make_app
+from larql_edge.service.metrics import HopMetrics
 
 from .api import openai_error_body
 from .chat import ChatTemplate
@@ -79,16 +83,32 @@ def create_app(engine: BatchEngine, served: Served, limits: Limits, name: str = 
                       max_queue=limits.max_queue, step_tokens=limits.step_tokens, eos_ids=served.eos_ids,
                       speculation=speculation or Settings())
 
+    def data_path() -> dict:
+        path, hedger = getattr(engine.ffn, "path", None), getattr(engine.ffn, "hedger", None)
+        return {"direct": bool(path is not None and path.enabled),
+                "topology": path.topology.version if path is not None and path.topology is not None else None,
+                "hedge": hedger.stats() if hedger is not None else None}
+
     def stats(request: Request) -> dict:
         return {"mode": "serve", "model": served.model_id, "num_layers": engine.spec.num_layers,
                 "hidden_size": engine.spec.hidden_size, "vocab_size": served.vocab,
                 "chat_template": served.chat_template is not None,
                 "active": sched.active_count, "queued": sched.queued_count,
-                "scheduler": sched.stats(), "limits": limits.as_json(engine.spec),
+                "scheduler": sched.stats(), "limits": limits.as_json(engine.spec), "data_path": data_path(),
                 "speculation": sched.speculation.as_json()}
 
+    async def drain(seconds: float) -> None:
+        """SIGTERM: new requests get a retryable 503, the sequences already admitted have ``seconds``
+        to finish; any still running then ends with an error event and [DONE], never silence."""
+        sched.draining = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + seconds * 0.8  # the rest: for the handlers to send their last events
+        while sched.active_count + sched.queued_count and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        await asyncio.to_thread(sched.stop, ServiceUnavailable("this server is shutting down: retry the request"))
+
     hooks = Hooks(ready=lambda: {"ready": True, "model": served.model_id}, stats=stats,
-                  inflight=lambda: sched.active_count + sched.queued_count, openapi=openapi_spec())
+                  inflight=lambda: sched.active_count + sched.queued_count, openapi=openapi_spec(), drain=drain)
     app = make_app(name, "serve", hooks, max_body=MAX_BODY, error_body=openai_error_body)
     app.config.RESPONSE_TIMEOUT = 3600  # a long generation streams for minutes
     app.ctx.served, app.ctx.scheduler, app.ctx.engine = served, sched, engine
@@ -122,10 +142,23 @@ def create_app(engine: BatchEngine, served: Served, limits: Limits, name: str = 
         seen["drafted"], seen["accepted"] = dr, ac
 
     m.add_flusher(flush)
+    hop_metrics = HopMetrics(m)
+    hops = getattr(getattr(engine.ffn, "replicas", None), "hops", None)
+    hedger = getattr(engine.ffn, "hedger", None)
 
-    @app.before_server_stop
+    def flush_hops() -> None:
+        if hops is not None:
+            hop_metrics.record(hops.drain())
+        while engine.step_local:
+            hop_metrics.local.observe(engine.step_local.popleft())
+        if hedger is not None:
+            hop_metrics.hedged(hedger.sent, hedger.won)
+
+    m.add_flusher(flush_hops)
+
+    @app.after_server_stop
     async def _stop_scheduler(app_):
-        sched.stop()
+        sched.stop()  # already stopped by the drain, unless the app stopped without one
 
     return app
 
@@ -140,7 +173,7 @@ def remote_engine(vx: Vindex, s: RemoteSettings) -> BatchEngine:
 
     spec = ModelSpec.from_index(vx.index)
     be = get_backend()
-    tiers = build_tiers(s, spec.hidden_size, spec.num_layers, spec.vocab_size)
+    tiers = build_tiers(s, spec.hidden_size, spec.num_layers, spec.vocab_size, hops=HopLog())
     if tiers.ffn is None:
         raise RemoteError("--ffn is required")
     return BatchEngine(spec, load_attention(vx, spec, be), tiers.embedder, tiers.ffn, tiers.head, be)

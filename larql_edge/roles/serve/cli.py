@@ -24,6 +24,7 @@ MAX_SPEC_K = 16
 def build_parser():
     import argparse
 
+    from larql_edge.net.remote import add_path_flags
     from larql_edge.roles.serve.app import Limits
 
     d = Limits()
@@ -53,6 +54,7 @@ def build_parser():
     f.add("--spec-k", type=int, default=4, help=f"drafts per sequence per step at most (1..{MAX_SPEC_K})")
     f.add("--timeout", type=float, default=60.0, help="seconds to wait for one grid reply")
     f.add("--retries", type=int, default=10, help="attempts beyond the first for a failed grid request (fail-over)")
+    add_path_flags(f)
     add_server_flags(f, port=8000)
     return p
 
@@ -89,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
         mc = vx.index.model_config
         model_ctx = (mc.max_position_embeddings if mc is not None else None) or Limits().context
         context = args.context or min(model_ctx, Limits().context)
-        engine = remote_engine(vx, RemoteSettings(ffn=args.ffn, embed=args.embed, timeout=args.timeout, retries=args.retries))
+        engine = remote_engine(vx, RemoteSettings(ffn=args.ffn, embed=args.embed, timeout=args.timeout, retries=args.retries,
+                                                  direct=args.direct, hedge=args.hedge, hedge_budget=args.hedge_budget))
         limits = effective_limits(Limits(args.max_active, args.max_queue, context, args.kv_memory_mb << 20,
                                          args.step_tokens), engine.spec)
         if limits.max_active < 1:
@@ -103,11 +106,13 @@ def main(argv: list[str] | None = None) -> int:
 
     log.info("larql-serve: %s, context %d, %d active + %d queued, chat template %s, speculation %s; grid %s; "
              "listening on http://%s:%d", served.model_id, context, limits.max_active, limits.max_queue,
-             "yes" if served.chat_template else "none", f"k<={args.spec_k}" if args.speculate else "off", args.ffn, args.host, args.port)
+             "yes" if served.chat_template else "none", f"k<={args.spec_k}" if args.speculate else "off", args.ffn,
+             args.host, args.port)
     from larql_edge.model.speculative import Settings
 
     speculation = Settings(enabled=args.speculate, max_k=args.spec_k)
-    serve(lambda: create_app(engine, served, limits, speculation=speculation), args.host, args.port, access_log=args.access_log)
+    serve(lambda: create_app(engine, served, limits, speculation=speculation), args.host, args.port,
+          access_log=args.access_log, drain=args.drain_seconds)
     return 0
 
 

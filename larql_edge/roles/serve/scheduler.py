@@ -148,6 +148,7 @@ class Scheduler:
         self.active: list[Seq] = []
         self._cond = threading.Condition()
         self._stop = False
+        self.draining = False  # SIGTERM: no more admissions; what runs may finish (app.create_app)
         self._thread: threading.Thread | None = None
         self.steps = 0
         self.step_rows = 0
@@ -169,6 +170,8 @@ class Scheduler:
         return sum(1 for s in self.waiting if not s.cancelled)
 
     def admit(self, seq: Seq) -> None:
+        if self.draining:
+            raise ServiceUnavailable("this server is shutting down: retry on another replica")
         with self._cond:
             # Waiting sequences take the free slots first (at the next step); what is left waits in
             # the queue, and only max_queue may: a burst beside one busy slot is not all admitted.
@@ -195,12 +198,20 @@ class Scheduler:
             self._thread = threading.Thread(target=self._run, name="serve-scheduler", daemon=True)
             self._thread.start()
 
-    def stop(self) -> None:
+    def stop(self, error: BaseException | None = None) -> None:
+        """Stop stepping; with ``error``, every sequence not finished yet ends with it (its stream gets
+        an error event and [DONE]) instead of waiting for events that never come."""
         with self._cond:
             self._stop = True
             self._cond.notify()
         if self._thread is not None:
             self._thread.join(timeout=10)
+        if error is not None:
+            with self._cond:
+                left = [*self.active, *self.waiting]
+                self.waiting.clear()
+            for s in left:
+                self._finish(s, None, error)
 
     # -- the scheduler thread -----------------------------------------------------------------------
     def _run(self) -> None:

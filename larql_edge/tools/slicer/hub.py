@@ -73,11 +73,18 @@ def validate_repo_id(repo_id: str) -> str:
 BOOKKEEPING = ".cache/huggingface"  # huggingface_hub's metadata, locks and partials inside an output folder
 
 
+CONTROL_DIRS = frozenset({".git", ".hg", ".svn", ".bzr", "_darcs", ".jj", "git~1"})
+
+
 def safe_relpath(path: str) -> str:
     """Refuse a remote listing entry that would escape the output folder, or that huggingface_hub's own
     path guard would refuse halfway through a download (a drive like ``a/C:x`` in any segment, control
     characters), or that would land in its bookkeeping folder. Checked before anything is written."""
     parts = path.split("/")
+    # A version-control folder anywhere (.git/config, .git/hooks: `git status` in the output folder then
+    # runs what they say); Windows and macOS match names case-blind and ignore trailing dots and spaces.
+    if any(part.lower().rstrip(". ") in CONTROL_DIRS for part in parts):
+        raise HubInvalid(f"unsafe path {path!r} in the remote file listing (a version-control folder): refusing to download")
     if (not path or "\\" in path or PurePosixPath(path).is_absolute() or any(part in ("..", ".", "") for part in parts)
             or any(":" in part for part in parts) or any(ord(c) < 32 or c == "\x7f" for c in path)
             or path == BOOKKEEPING or path.startswith(BOOKKEEPING + "/")):

@@ -1,0 +1,224 @@
+"""ggml's CPU kernels through ctypes, from the prebuilt ``libggml-python`` wheel (nothing compiled here).
+
+The wheel ships ``libggml-base`` and ``libggml-cpu`` (x86-64: AVX2/FMA/F16C; aarch64: NEON; macOS arm64
+also ``libggml-metal``, unused here). A product ``y = x @ W.T`` is one ``ggml_mul_mat`` node in a small
+graph whose weight tensor's ``data`` points at the block bytes as stored (a memory map of the vindex):
+ggml quantizes the activation to the weight type's ``vec_dot_type`` (Q8_0 for Q8_0/Q5_0, Q8_1 for Q4_1,
+Q8_K for the K-quants, f16 for f16), exactly as llama.cpp does, then runs its ``vec_dot`` per row.
+Graphs are built once per (matrix, rows of x, row range) and reused; a call only repoints ``x`` and
+``y`` and runs ``ggml_graph_compute`` with one thread (our pool splits rows: `_threads`).
+
+Why not the other routes (measured, DESIGN.md "Kernels"): a per-row ``vec_dot`` loop needs a compiled
+loop (numba: ~200 MB per image, ~70 MB RSS per process); ggml's own thread pool per call (threadpool
+NULL) spawns threads on every product, 20-80x slower on this loaded 2-core machine.
+"""
+
+from __future__ import annotations
+
+import ctypes as C
+import os
+import sys
+import threading
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+
+from larql_edge.errors import KernelError
+
+# ggml_type numbers (ggml.h enum ggml_type; gguf-py's GGMLQuantizationType has the same values)
+TYPE = {"f32": 0, "f16": 1, "q4_1": 3, "q5_0": 6, "q8_0": 8, "q4_k": 12, "q6_k": 14}
+
+
+class _InitParams(C.Structure):
+    _fields_ = [("mem_size", C.c_size_t), ("mem_buffer", C.c_void_p), ("no_alloc", C.c_bool)]
+
+
+class _Tensor(C.Structure):  # struct ggml_tensor (ggml.h, 0.20.x: GGML_MAX_DIMS 4, MAX_SRC 10, MAX_NAME 64)
+    _fields_ = [
+        ("type", C.c_int), ("buffer", C.c_void_p), ("ne", C.c_int64 * 4), ("nb", C.c_size_t * 4), ("op", C.c_int),
+        ("op_params", C.c_int32 * 16), ("flags", C.c_int32), ("src", C.c_void_p * 10), ("view_src", C.c_void_p),
+        ("view_offs", C.c_size_t), ("data", C.c_void_p), ("name", C.c_char * 64), ("extra", C.c_void_p),
+        ("padding", C.c_char * 8),
+    ]
+
+
+class _CPlan(C.Structure):  # struct ggml_cplan (ggml-cpu.h)
+    _fields_ = [
+        ("work_size", C.c_size_t), ("work_data", C.c_void_p), ("n_threads", C.c_int), ("threadpool", C.c_void_p),
+        ("abort_callback", C.c_void_p), ("abort_callback_data", C.c_void_p), ("use_ref", C.c_bool),
+    ]
+
+
+class _TypeTraits(C.Structure):  # struct ggml_type_traits (ggml.h)
+    _fields_ = [
+        ("type_name", C.c_char_p), ("blck_size", C.c_int64), ("blck_size_interleave", C.c_int64),
+        ("type_size", C.c_size_t), ("is_quantized", C.c_bool), ("to_float", C.c_void_p), ("from_float_ref", C.c_void_p),
+    ]
+
+
+_TP = C.POINTER(_Tensor)
+_TO_FLOAT = C.CFUNCTYPE(None, C.c_void_p, C.c_void_p, C.c_int64)
+_CPU_FEATURES = ("avx", "avx2", "fma", "f16c", "avx512", "avx512_vnni", "avx_vnni", "neon", "dotprod",
+                 "matmul_int8", "sve", "llamafile")
+
+
+class _Lib:
+    def __init__(self) -> None:
+        import libggml  # the libggml-python wheel: libraries and headers only
+
+        root = Path(libggml.__file__).parent
+        ext = ".dylib" if sys.platform == "darwin" else ".so"
+        libdir = next((root / d for d in ("lib64", "lib") if (root / d / f"libggml-base{ext}").exists()), None)
+        if libdir is None:
+            raise KernelError(f"libggml-python at {root} has no libggml-base{ext}")
+        self.path = libdir
+        self.version = getattr(libggml, "__version__", "?")
+        self.base = C.CDLL(str(libdir / f"libggml-base{ext}"), mode=C.RTLD_GLOBAL)
+        self.cpu = C.CDLL(str(libdir / f"libggml-cpu{ext}"), mode=C.RTLD_GLOBAL)
+        b, c = self.base, self.cpu
+        b.ggml_init.restype, b.ggml_init.argtypes = C.c_void_p, [_InitParams]
+        b.ggml_free.argtypes = [C.c_void_p]
+        b.ggml_new_tensor_2d.restype, b.ggml_new_tensor_2d.argtypes = _TP, [C.c_void_p, C.c_int, C.c_int64, C.c_int64]
+        b.ggml_mul_mat.restype, b.ggml_mul_mat.argtypes = _TP, [C.c_void_p, _TP, _TP]
+        b.ggml_new_graph_custom.restype = C.c_void_p
+        b.ggml_new_graph_custom.argtypes = [C.c_void_p, C.c_size_t, C.c_bool]
+        b.ggml_build_forward_expand.argtypes = [C.c_void_p, _TP]
+        b.ggml_tensor_overhead.restype = C.c_size_t
+        b.ggml_graph_overhead_custom.restype, b.ggml_graph_overhead_custom.argtypes = C.c_size_t, [C.c_size_t, C.c_bool]
+        b.ggml_get_type_traits.restype, b.ggml_get_type_traits.argtypes = C.POINTER(_TypeTraits), [C.c_int]
+        b.ggml_version.restype = C.c_char_p
+        b.ggml_commit.restype = C.c_char_p
+        c.ggml_graph_plan.restype, c.ggml_graph_plan.argtypes = _CPlan, [C.c_void_p, C.c_int, C.c_void_p]
+        c.ggml_graph_compute.restype, c.ggml_graph_compute.argtypes = C.c_int, [C.c_void_p, C.POINTER(_CPlan)]
+        c.ggml_cpu_init()
+        if C.sizeof(_Tensor) + 32 > b.ggml_tensor_overhead() + 32 or C.sizeof(_Tensor) != 336:
+            raise KernelError(f"libggml {self.version}: struct ggml_tensor is not the layout this binding knows")
+        self.to_float = {}
+        for name, t in TYPE.items():
+            tr = b.ggml_get_type_traits(t).contents
+            if name != "f32":
+                self.to_float[name] = _TO_FLOAT(tr.to_float)
+        self.features = {f: bool(getattr(c, f"ggml_cpu_has_{f}")()) for f in _CPU_FEATURES
+                         if hasattr(c, f"ggml_cpu_has_{f}")}
+
+    def info(self) -> dict:
+        return {
+            "library": "ggml (libggml-python)",
+            "version": f"{self.base.ggml_version().decode()} (wheel {self.version}, commit {self.base.ggml_commit().decode()})",
+            "path": str(self.path),
+            "cpu_features": sorted(f for f, on in self.features.items() if on),
+        }
+
+
+_lib_lock = threading.Lock()
+_lib: _Lib | None = None
+
+
+def lib() -> _Lib:
+    global _lib
+    if _lib is None:
+        with _lib_lock:
+            if _lib is None:
+                try:
+                    _lib = _Lib()
+                except ImportError as e:
+                    raise KernelError(f"the compact backend needs libggml-python (pip install libggml-python): {e}") from None
+    return _lib
+
+
+def available() -> bool:
+    try:
+        lib()
+    except (KernelError, OSError):
+        return False
+    return True
+
+
+@lru_cache(maxsize=None)
+def _ctx_bytes() -> int:
+    return 3 * int(lib().base.ggml_tensor_overhead()) + int(lib().base.ggml_graph_overhead_custom(4, False)) + 1024
+
+
+class MulMat:
+    """One ``ggml_mul_mat`` graph: weight rows ``[a, b)`` of a matrix times ``n`` rows of x.
+
+    Not re-entrant (its work buffer holds the quantized x): a caller takes one from `MatMulCache`.
+    """
+
+    def __init__(self, wdata: np.ndarray, wtype: int, kcols: int, n: int, ystride: int):
+        L = lib()
+        self._mem = np.empty(_ctx_bytes(), np.uint8)
+        self._ctx = L.base.ggml_init(_InitParams(self._mem.nbytes, self._mem.ctypes.data, True))
+        if not self._ctx:
+            raise KernelError("ggml_init failed")
+        rows = wdata.shape[0]
+        w = L.base.ggml_new_tensor_2d(self._ctx, wtype, kcols, rows)
+        w.contents.data = wdata.ctypes.data
+        if w.contents.nb[1] != wdata.strides[0]:
+            raise KernelError(f"weight row bytes {wdata.strides[0]} != ggml's {w.contents.nb[1]}")
+        x = L.base.ggml_new_tensor_2d(self._ctx, TYPE["f32"], kcols, n)
+        y = L.base.ggml_mul_mat(self._ctx, w, x)
+        y.contents.nb[1] = ystride * 4  # write straight into the caller's [n, all rows] output
+        y.contents.nb[2] = y.contents.nb[3] = ystride * 4 * n
+        self._graph = L.base.ggml_new_graph_custom(self._ctx, 4, False)
+        L.base.ggml_build_forward_expand(self._graph, y)
+        self._plan = L.cpu.ggml_graph_plan(self._graph, 1, None)
+        self._work = np.empty(max(1, self._plan.work_size), np.uint8)
+        self._plan.work_data = self._work.ctypes.data
+        self._x, self._y = x.contents, y.contents
+        self._keep = wdata
+        self._compute = L.cpu.ggml_graph_compute
+        self._plan_ref = C.byref(self._plan)
+
+    def run(self, x_ptr: int, y_ptr: int) -> None:
+        self._x.data = x_ptr
+        self._y.data = y_ptr
+        if self._compute(self._graph, self._plan_ref) != 0:
+            raise KernelError("ggml_graph_compute failed")
+
+    def __del__(self) -> None:
+        ctx = getattr(self, "_ctx", None)
+        if ctx and _lib is not None:
+            _lib.base.ggml_free(ctx)
+            self._ctx = None
+
+
+class MatMulCache:
+    """Graphs of one matrix, by (rows of x, weight row range); a free list per key, so concurrent
+    callers never share one graph's work buffer (list pop/append are atomic under the GIL)."""
+
+    _MAX_KEYS = 96
+
+    def __init__(self, wdata: np.ndarray, wtype: int, kcols: int, ystride: int):
+        self.wdata, self.wtype, self.kcols, self.ystride = wdata, wtype, kcols, ystride
+        self._free: dict[tuple[int, int, int], list[MulMat]] = {}
+
+    def run(self, n: int, a: int, b: int, x_ptr: int, y_ptr: int) -> None:
+        key = (n, a, b)
+        free = self._free.get(key)
+        if free is None:
+            if len(self._free) >= self._MAX_KEYS:
+                self._free.pop(next(iter(self._free)), None)
+            free = self._free.setdefault(key, [])
+        try:
+            g = free.pop()
+        except IndexError:
+            g = MulMat(self.wdata[a:b], self.wtype, self.kcols, n, self.ystride)
+        try:
+            g.run(x_ptr + 0, y_ptr + a * 4)
+        finally:
+            free.append(g)
+
+
+def to_float(fmt: str, src: np.ndarray, dst: np.ndarray) -> None:
+    """Decode whole rows ``src`` (uint8/uint16 block bytes, C-contiguous) into float32 ``dst`` (same
+    number of values), with ggml's own dequantizer."""
+    lib().to_float[fmt](src.ctypes.data, dst.ctypes.data, dst.size)
+
+
+def cpu_count() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # macOS
+        return max(1, os.cpu_count() or 1)
