@@ -19,6 +19,7 @@ from sanic.request import Request
 from larql_edge.errors import ServiceUnavailable
 from larql_edge.format.vindex import Vindex
 from larql_edge.model.batch import BatchEngine, kv_bytes_per_token
+from larql_edge.model.prefix_cache import PrefixCache
 from larql_edge.model.speculative import Settings
 from larql_edge.model.tokens import TextBound
 from larql_edge.net.hops import HopLog
@@ -26,11 +27,13 @@ from larql_edge.net.remote import RemoteSettings, build_tiers
 from larql_edge.service import Hooks, make_app
 from larql_edge.service.metrics import HopMetrics
 
-from .api import openai_error_body
+from .api import MAX_N, openai_error_body
+from .auth import require_api_keys
 from .chat import ChatTemplate
 from .openapi import openapi_spec
 from .routes import bp
 from .scheduler import Scheduler
+from .structured import Grammars
 
 # The request bodies are small JSON (a prompt, messages): 4 MiB takes a context's worth of text.
 MAX_BODY = 4 << 20
@@ -46,11 +49,18 @@ class Limits:
     context: int = 2048
     kv_memory_bytes: int = 1 << 30
     step_tokens: int = 128
+    prefix_cache_bytes: int | None = None  # None: what kv_memory_bytes leaves after max_active caches; 0: off
+
+    def prefix_budget(self, spec) -> int:
+        if self.prefix_cache_bytes is not None:
+            return self.prefix_cache_bytes
+        return max(0, self.kv_memory_bytes - self.max_active * self.context * kv_bytes_per_token(spec))
 
     def as_json(self, spec) -> dict:
         return {"max_active": self.max_active, "max_queue": self.max_queue, "context": self.context,
                 "kv_memory_bytes": self.kv_memory_bytes, "kv_bytes_per_sequence": self.context * kv_bytes_per_token(spec),
-                "step_tokens": self.step_tokens, "n": 1, "max_body_bytes": MAX_BODY}
+                "step_tokens": self.step_tokens, "n": min(MAX_N, self.max_active), "max_body_bytes": MAX_BODY,
+                "prefix_cache_bytes": self.prefix_budget(spec)}
 
 
 @dataclass
@@ -62,6 +72,7 @@ class Served:
     chat_template: ChatTemplate | None
     eos_ids: tuple[int, ...]
     names: frozenset[str] = frozenset()  # every name a request may give for the model (model_id too)
+    grid: dict[str, Any] = field(default_factory=dict)  # what GET /v1/models/{id} says the model runs on
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:
@@ -73,15 +84,18 @@ def effective_limits(limits: Limits, spec) -> Limits:
     per_seq = limits.context * kv_bytes_per_token(spec)
     by_memory = max(0, limits.kv_memory_bytes // per_seq)
     return Limits(min(limits.max_active, by_memory), limits.max_queue, limits.context, limits.kv_memory_bytes,
-                  limits.step_tokens)
+                  limits.step_tokens, limits.prefix_cache_bytes)
 
 
 def create_app(engine: BatchEngine, served: Served, limits: Limits, name: str = "larql_serve",
-               speculation: Settings | None = None) -> Sanic:
-    """``speculation``: n-gram speculative decoding's settings (None: the defaults, on)."""
+               api_keys: tuple[str, ...] = (), speculation: Settings | None = None) -> Sanic:
+    """``api_keys``: when given, every route but health, readiness, metrics and /openapi.json needs one.
+    ``speculation``: n-gram speculative decoding's settings (None: the defaults, on)."""
+    budget = limits.prefix_budget(engine.spec)
+    prefix = PrefixCache(budget, kv_bytes_per_token(engine.spec)) if budget else None
     sched = Scheduler(engine, served.tokenizer, context=limits.context, max_active=limits.max_active,
                       max_queue=limits.max_queue, step_tokens=limits.step_tokens, eos_ids=served.eos_ids,
-                      speculation=speculation or Settings())
+                      prefix=prefix, speculation=speculation or Settings())
 
     def data_path() -> dict:
         path, hedger = getattr(engine.ffn, "path", None), getattr(engine.ffn, "hedger", None)
@@ -112,7 +126,9 @@ def create_app(engine: BatchEngine, served: Served, limits: Limits, name: str = 
     app = make_app(name, "serve", hooks, max_body=MAX_BODY, error_body=openai_error_body)
     app.config.RESPONSE_TIMEOUT = 3600  # a long generation streams for minutes
     app.ctx.served, app.ctx.scheduler, app.ctx.engine = served, sched, engine
+    app.ctx.grammars = Grammars(served.tokenizer, served.vocab, served.eos_ids)
     app.blueprint(bp)
+    require_api_keys(app, api_keys)
 
     m = app.ctx.metrics
     active = m.gauge("active_sequences", "Sequences holding a KV cache, stepped together")
@@ -187,7 +203,9 @@ def served_model(vx: Vindex, tokenizer, context: int, chat_template_file: str | 
     from .chat import eos_from_generation_config, load_chat_template
 
     spec = ModelSpec.from_index(vx.index)
-    eos = tuple(dict.fromkeys(spec.eos_token_ids + eos_from_generation_config(Path(vx.path))))
+    chat = load_chat_template(Path(vx.path), chat_template_file, tokenizer, vx.index.family)
+    turn_end = (tokenizer.token_to_id(chat.end_of_turn),) if chat is not None and chat.end_of_turn else ()
+    eos = tuple(dict.fromkeys(spec.eos_token_ids + eos_from_generation_config(Path(vx.path)) + turn_end))
     return Served(model_id=names[0] if names else vx.model, tokenizer=tokenizer, vocab=spec.vocab_size, context=context,
-                  chat_template=load_chat_template(Path(vx.path), chat_template_file), eos_ids=eos,
+                  chat_template=chat, eos_ids=eos,
                   names=frozenset((*names, vx.model)))
