@@ -98,13 +98,12 @@ def test_larql_serve_8_concurrent_streams_with_speculation_equal_without(real_gr
     prompts = [p["prompt"] for p in golden(real_grid["model"])["prompts"]] + [CODE, EXTRACT]
     prompts = (prompts * 2)[:8]
 
-    def run(url: str, prompt: str) -> list[str]:
+    def run(url: str, prompt: str) -> tuple:
         r = httpx.post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": TOKENS, "temperature": 0,
                                                         "logprobs": 0}, timeout=1200)
         assert r.status_code == 200, r.text
         c = r.json()["choices"][0]
-        assert r.json()["usage"]["completion_tokens"] == len(c["logprobs"]["tokens"])
-        return c["logprobs"]["tokens"]
+        return c["text"], c["logprobs"]["tokens"], c["finish_reason"], r.json()["usage"]["completion_tokens"]
 
     off, on = serve("serve-off", "--no-speculate"), serve("serve-on")
     with ThreadPoolExecutor(8) as pool:
