@@ -96,10 +96,13 @@ def openapi_spec(stats: dict | None = None) -> dict:
     paths["/detokenize"] = _simple("detokenize", "Token ids to text (content: llama.cpp's key; prompt: vLLM's)",
                                    "DetokenizeRequest", "Detokenized")
     paths.update(ops_paths("serve", ref("Ready"), ref("Stats"), "Loading"))
-    for path, ops in paths.items():  # with --api-key, every route but these needs the key
+    # With --api-key, every route but these needs the key: the document says the key is optional ({}),
+    # a deployment's (stats) says what that server does.
+    security = [{"apiKey": []}] if stats and stats.get("api_keys") else [{}] if stats else [{}, {"apiKey": []}]
+    for path, ops in paths.items():
         if path not in OPEN_PATHS:
             for op in ops.values():
-                op["security"] = [{"apiKey": []}]
+                op["security"] = security
                 op["responses"].setdefault("401", _err("No API key, or a wrong one (with --api-key)"))
     schemas = {
         "OpenAIError": OPENAI_ERROR,
