@@ -98,7 +98,7 @@ def openapi_spec(stats: dict | None = None) -> dict:
     paths.update(ops_paths("serve", ref("Ready"), ref("Stats"), "Loading"))
     # With --api-key, every route but these needs the key: the document says the key is optional ({}),
     # a deployment's (stats) says what that server does.
-    security = [{"apiKey": []}] if stats and stats.get("api_keys") else [{}] if stats else [{}, {"apiKey": []}]
+    security: list[dict] = [{"apiKey": []}] if stats and stats.get("api_keys") else [{}] if stats else [{}, {"apiKey": []}]
     for path, ops in paths.items():
         if path not in OPEN_PATHS:
             for op in ops.values():
