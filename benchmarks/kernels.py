@@ -12,7 +12,7 @@ Per-layer products are timed over all 18 layers' distinct matrices in turn (what
 weights stream from memory rather than sit in cache) and reported per product. Every candidate's
 error is against numpy float32 on the dequantization of the same blocks (max |err| / max |y|).
 
-Candidates: larql kernels (numba, on the block bytes), onnxruntime MatMulNBits (weights repacked to
+Candidates: larql kernels (ggml's, on the block bytes), onnxruntime MatMulNBits (weights repacked to
 its 4/8-bit block layout, exactly the same values), MLX quantized_matmul (Linux CPU build; exact for
 Q4_K and Q8_0, Q6_K's 16-value scales have no MLX group size), numpy f16 upcast in tiles + SGEMM.
 torch is not measured: see TORCH_NOTE. Runs take a few minutes; all timings are best of --reps
@@ -127,11 +127,19 @@ class Skip(Exception):
     pass
 
 
-def numba_candidate(m: CompactMatrix, threads: int):
+def ggml_candidate(m: CompactMatrix, threads: int, tiled: bool = False):
+    """ggml's mul_mat on the stored blocks; ``tiled``: ggml's dequantizer tile by tile + BLAS SGEMM."""
+    from larql_edge.model.kernels import _matrix
+
     def run(x):
         set_threads(threads)
         set_blas_threads(1)  # the kernels' own threads each run a one-thread SGEMM on their tiles
-        return m.matmul(x)
+        before = _matrix.TILED_FROM_ROWS
+        _matrix.TILED_FROM_ROWS = 1 if tiled else 1 << 30
+        try:
+            return m.matmul(x)
+        finally:
+            _matrix.TILED_FROM_ROWS = before
 
     return run, m.nbytes
 
@@ -351,7 +359,7 @@ def run_all(args, log) -> None:
             refs = [x @ w.T for x, w in zip(xs, ws, strict=False)]
             for threads in THREADS:
                 cands = {}
-                cands["larql (numba)"] = _multi([numba_candidate(m, threads)[0] for m in ms])
+                cands["larql (ggml)"] = _multi([ggml_candidate(m, threads)[0] for m in ms])
                 try:
                     cands["onnxruntime acc4"] = _cached(
                         ("ort", name, threads),
@@ -376,7 +384,9 @@ def run_all(args, log) -> None:
             x = x_all[-n:]
             ref = x @ w_ref.T
             for threads in THREADS:
-                cands = {"larql (numba)": numba_candidate(m, threads)[0]}
+                cands = {"larql (ggml)": ggml_candidate(m, threads)[0]}
+                if n >= 8:
+                    cands["ggml dequant + BLAS"] = ggml_candidate(m, threads, tiled=True)[0]
                 if fmt == "q8_0":
                     cands["onnxruntime acc4"] = _cached(("ort", "lm", threads), lambda threads=threads: ort_candidate(lm_q8, threads, 4))[0]
                     if threads == 1 and n == 1:  # MLX's Linux CPU kernels take seconds per call at 8+ rows
@@ -397,14 +407,14 @@ def run_all(args, log) -> None:
     log("")
     log("One decode step's products (1 row): 18 x (q+k+v+o+gate+up+down) + lm_head, ms")
     for threads in THREADS:
-        for cand in ("numpy f32", "larql (numba)", "onnxruntime acc4"):
+        for cand in ("numpy f32", "larql (ggml)", "onnxruntime acc4"):
             try:
                 layer = sum(per_product_ms[(p, PRODUCTS[p][1], 1, threads, cand)] for p in PRODUCTS)
                 head = per_product_ms[("lm_head", "q8_0", 1, threads, cand)]
             except KeyError:
                 continue
             log(f"  {threads} thr  {cand:<18} layers {LAYERS * layer:7.2f}  lm_head(q8_0) {head:6.2f}  total {LAYERS * layer + head:7.2f}")
-        head16 = per_product_ms[("lm_head", "f16", 1, threads, "larql (numba)")]
+        head16 = per_product_ms[("lm_head", "f16", 1, threads, "larql (ggml)")]
         log(f"  {threads} thr  {'larql, f16 head':<18} lm_head(f16) {head16:6.2f}")
 
 
@@ -427,18 +437,18 @@ def _cached(key, make):
 
 
 def compile_times(log) -> None:
-    """numba compile at process start: cold (empty cache) and cached, each in a fresh process."""
+    """Kernel start-up in a fresh process: import, then load libggml and run every format once."""
     code = ("import time; t=time.perf_counter(); import larql_edge.model.kernels as k; i=time.perf_counter()-t; "
             "w=k.warm_up(); print(f'{i:.2f} {w:.2f}')")
-    with tempfile.TemporaryDirectory() as cache:
-        env = {**os.environ, "NUMBA_CACHE_DIR": cache, "PYTHONPATH": str(REPO)}
-        for label in ("cold (empty cache)", "cached"):
+    with tempfile.TemporaryDirectory():
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        for label in ("fresh process",):
             out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600, check=False)
             if out.returncode:
                 log(f"  warm-up {label}: failed: {out.stderr.strip()[-300:]}")
                 continue
             imp, warm = out.stdout.split()
-            log(f"  warm-up {label}: import {imp} s, compile/load all kernels {warm} s")
+            log(f"  warm-up {label}: import {imp} s, load libggml + run every format once {warm} s")
 
 
 def main(argv=None) -> None:
@@ -453,8 +463,9 @@ def main(argv=None) -> None:
         print(s, flush=True)
         lines.append(s)
 
-    import numba
     import onnxruntime
+
+    from larql_edge.model.kernels import kernel_info
 
     try:
         import mlx.core as mx
@@ -468,14 +479,14 @@ def main(argv=None) -> None:
     simd = " ".join(f for f in ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16") if f" {f}" in flags)
     log(f"kernels benchmark, {time.strftime('%Y-%m-%d %H:%M')}: {cpu}, {os.cpu_count()} CPUs ({simd}); "
         f"load average {os.getloadavg()[0]:.1f} at start")
-    log(f"numpy {np.__version__} (OpenBLAS, pinned per call), numba {numba.__version__}, "
+    log(f"numpy {np.__version__} (OpenBLAS, pinned per call), {kernel_info()}, "
         f"onnxruntime {onnxruntime.__version__}, mlx {mlx_v}")
     log(TORCH_NOTE)
     log("")
     run_all(args, log)
     if not args.skip_compile:
         log("")
-        log("numba JIT at process start (fresh processes, NUMBA_CACHE_DIR in a temporary folder):")
+        log("kernel start-up (a fresh process):")
         compile_times(log)
     log(f"\nload average {os.getloadavg()[0]:.1f} at end")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -226,6 +226,20 @@ def test_inspect_shows_model_and_files(tiny_models):
     assert j["tied"] is False and "lm_head.bin" in j["files"]
 
 
+def test_inspect_backend_names_the_kernel_library():
+    import importlib.metadata
+
+    r = slicer("inspect", "--backend")
+    assert r.returncode == 0, r.stderr
+    assert "compact" in r.stdout and "ggml" in r.stdout and importlib.metadata.version("libggml-python") in r.stdout
+    j = json.loads(slicer("inspect", "--backend", "--json").stdout)
+    assert j["backend"] == "compact" and j["library"].startswith("ggml") and j["threads"] >= 1
+    assert set(j["cpu_features"]) <= {"avx", "avx2", "fma", "f16c", "avx512", "avx512_vnni", "avx_vnni", "neon",
+                                      "dotprod", "matmul_int8", "sve", "llamafile"}
+    r = slicer("inspect")
+    assert r.returncode != 0 and "VINDEX" in r.stderr and "Traceback" not in r.stderr
+
+
 @pytest.mark.parametrize("source", ["llama", "llama-hf", "gemma3", "gemma3-hf"])
 def test_the_chat_template_and_stop_ids_travel_with_the_tokenizer(tiny_ggufs, tmp_path, source):
     """tokenizer_config.json / generation_config.json beside tokenizer.json, from GGUF metadata or the
@@ -259,3 +273,15 @@ def test_an_unreadable_tokenizer_config_is_a_vindex_error(tiny_models, tmp_path)
     (copy / "tokenizer_config.json").write_text("[1, 2")
     with pytest.raises(VindexError, match="tokenizer_config.json: unreadable"):
         Vindex.open(copy).tokenizer_config()
+
+
+def test_progress_is_a_line_per_stage_when_not_a_terminal(tiny_models, tmp_path, capsys):
+    """`larql-grid up` prepared the model for ~55 s with nothing shown when its output was a pipe or a
+    log file: tqdm's carriage-return bars only land at the end there. Off a terminal, each stage is a
+    line of its own, as it starts."""
+    lines: list[str] = []
+    extract(str(tiny_models["gemma3-hf"]), tmp_path / "v", progress=True, log=lines.append)
+    stages = [line for line in lines if line.lstrip().startswith("[")]
+    assert len(stages) >= 5, lines
+    assert any("embeddings" in s for s in stages) and any("gate" in s for s in stages)
+    assert "\r" not in capsys.readouterr().err  # no bar drawn into the pipe

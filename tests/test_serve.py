@@ -210,6 +210,7 @@ def test_batched_sequences_give_the_tokens_each_gives_alone_and_one_ffn_request_
     assert set(calls_per_step) == {layers}, calls_per_step  # one FFN request per layer, whatever the rows
 
 
+@pytest.mark.slow  # tens of seconds in-process (tests/conftest.py: the tiers)
 def test_eight_concurrent_http_completions_equal_each_alone(tiny_models, grid):
     with _serve(tiny_models["gemma3"], grid["router"].url, Limits(context=64, max_active=8)) as s:
         def run(p):
@@ -314,6 +315,7 @@ def test_the_openapi_document_is_served_and_committed(serve):
     assert routes <= documented | {("OPTIONS", p) for _, p in routes}, routes - documented
 
 
+@pytest.mark.slow  # tens of seconds in-process (tests/conftest.py: the tiers)
 def test_many_rows_logits_are_the_single_rows_in_one_product(grid):
     from larql_edge.wire import embed as ew
 
@@ -390,6 +392,7 @@ def test_sampling_with_a_seed_is_reproducible_and_top_p_narrows_it(serve):
     assert narrow == greedy
 
 
+@pytest.mark.slow  # tens of seconds in-process (tests/conftest.py: the tiers)
 def test_schemathesis_finds_no_failure(tiny_models, grid):
     """Every schemathesis check against the document narrowed to this deployment (its vocabulary and
     context), as the other roles' documents are (tests/test_openapi.py)."""

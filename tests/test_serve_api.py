@@ -99,6 +99,9 @@ def test_every_field_of_the_openai_request_types_is_honoured_or_refused_by_name(
         if name in refused:
             _error(r, 400, name, "unsupported_parameter")
             continue
+        if name == "response_format":  # honoured with the real models (test_serve_structured_real.py); the
+            _error(r, 400, name, "unsupported_value")  # tiny model's WordPiece tokenizer cannot carry a grammar
+            continue
         assert r.status_code == 200, (name, r.text)
         if name not in ignored:
             honoured.append(name)

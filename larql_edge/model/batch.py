@@ -28,15 +28,20 @@ import numpy as np
 from larql_edge.model import ops
 from larql_edge.model.backend import Backend
 from larql_edge.model.forward import EmbedProvider, FfnProvider, project_qkv
+from larql_edge.model.head import top_k_logprobs
 from larql_edge.model.spec import ModelSpec
 from larql_edge.model.weights import AttentionLayer
+from larql_edge.wire.embed import allowed_tokens
 
 
 class TopKHead(Protocol):
     """Pre-final-norm rows ``[n, hidden]`` -> per row the top ``k`` ids and their log-probabilities
-    (temperature 1), most likely first (ties: the lower id first, as ``argmax``)."""
+    (temperature 1), most likely first (ties: the lower id first, as ``argmax``). ``masks``: per row
+    None or a token bitmask (`larql_edge.wire.embed.mask_words` 32-bit words; structured output): the
+    row's top k are then among its allowed tokens only, renormalised over them, and may be fewer than k."""
 
-    def top_k_rows(self, h: np.ndarray, k: int) -> list[tuple[np.ndarray, np.ndarray]]: ...
+    def top_k_rows(self, h: np.ndarray, k: int,
+                   masks: Sequence[np.ndarray | None] | None = None) -> list[tuple[np.ndarray, np.ndarray]]: ...
 
 
 class LocalTopK:
@@ -45,15 +50,18 @@ class LocalTopK:
     def __init__(self, head):
         self.head = head
 
-    def top_k_rows(self, h: np.ndarray, k: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    def top_k_rows(self, h: np.ndarray, k: int,
+                   masks: Sequence[np.ndarray | None] | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
         logits = np.asarray(self.head.logits(h), dtype=np.float32)
         out = []
-        for row in logits:
-            lp = ops.log_softmax(row)
-            kk = min(k, lp.size)
-            idx = np.argpartition(-lp, kk - 1)[:kk]
-            idx = idx[np.lexsort((idx, -lp[idx]))]
-            out.append((idx.astype(np.int64), lp[idx].astype(np.float64)))
+        for i, row in enumerate(logits):
+            mask = masks[i] if masks is not None else None
+            if mask is None:
+                out.append(top_k_logprobs(row, k))
+                continue
+            ids, lps = top_k_logprobs(np.where(allowed_tokens(mask, row.size), row, np.float32(-np.inf)), k)
+            keep = np.isfinite(lps)  # fewer allowed tokens than k: only those
+            out.append((ids[keep], lps[keep]))
         return out
 
 
@@ -80,6 +88,7 @@ class Chunk:
     cache: SeqCache
     ids: Sequence[int]
     wants_logits: bool = True  # False for a prefill chunk that is not the prompt's last
+    mask: np.ndarray | None = None  # the allowed next tokens (a token bitmask), for structured output
 
 
 class BatchEngine:
@@ -156,10 +165,13 @@ class BatchEngine:
         local0 = self.local_s
         h = self.forward(chunks)
         self.step_local.append(self.local_s - local0)
-        last, at = [], 0
+        last, masks, at = [], [], 0
         for c in chunks:
             at += len(c.ids)
             if c.wants_logits:
                 last.append(at - 1)
-        tops = iter(self.head.top_k_rows(h[last], k) if last else [])
+                masks.append(c.mask)
+        any_mask = any(m is not None for m in masks)
+        tops = iter((self.head.top_k_rows(h[last], k, masks) if any_mask else self.head.top_k_rows(h[last], k))
+                    if last else [])
         return [next(tops) if c.wants_logits else None for c in chunks]

@@ -18,14 +18,16 @@ from typing import Protocol
 
 import numpy as np
 
-from larql_edge.config import cache_dir
 from larql_edge.errors import VindexError
 from larql_edge.format.vindex import Vindex
 from larql_edge.model import ops
 from larql_edge.model.backend import Backend, get_backend
-from larql_edge.model.lm_head import compute_copy, head_format
+from larql_edge.model.head import LocalHead, top_k_logprobs
 from larql_edge.model.spec import ModelSpec
-from larql_edge.model.weights import AttentionLayer, FfnLayer, final_norm, load_attention_layer, load_ffn_layer
+from larql_edge.model.weights import AttentionLayer, FfnLayer, load_attention_layer, load_ffn_layer
+
+__all__ = ["EmbedProvider", "FfnProvider", "HeadProvider", "KVCache", "LocalEmbed", "LocalFfn", "LocalHead",
+           "Transformer", "ffn_compute", "load_attention", "project_qkv", "sample", "top_k"]
 
 
 class EmbedProvider(Protocol):
@@ -72,23 +74,6 @@ class LocalFfn:
         if w is None:
             raise KeyError(layer)
         return ffn_compute(w, x, self.act, self.backend)
-
-
-class LocalHead:
-    """Final norm, lm_head and final softcap; the lm_head in the backend's form (`model.lm_head`:
-    as stored, a quantized vindex's tied head as Q8_0, or a shared f32 copy for the reference)."""
-
-    def __init__(self, vx: Vindex, spec: ModelSpec, backend: Backend | None = None):
-        self.backend = backend or get_backend()
-        self.spec = spec
-        self.norm = final_norm(vx)
-        self.copy = compute_copy(vx, cache_dir() / "lm-head", head_format(vx, "auto", self.backend))
-        self.lm_head = self.backend.prepare(self.copy.matrix)
-
-    def logits(self, h: np.ndarray) -> np.ndarray:
-        s = self.spec
-        x = ops.rms_norm(np.atleast_2d(h), self.norm, s.rms_norm_eps, s.family.norm_offset)
-        return ops.softcap(self.backend.linear(x, self.lm_head), s.final_logit_softcapping)
 
 
 # -- the forward pass -----------------------------------------------------------------------------
@@ -232,9 +217,6 @@ def sample(logits: np.ndarray, temperature: float, rng: np.random.Generator) -> 
 
 
 def top_k(logits: np.ndarray, k: int) -> list[tuple[int, float]]:
-    """The k most likely ids with their log-probabilities, most likely first."""
-    lp = ops.log_softmax(logits)
-    k = min(k, lp.size)
-    idx = np.argpartition(-lp, k - 1)[:k]
-    idx = idx[np.argsort(-lp[idx], kind="stable")]
-    return [(int(i), float(lp[i])) for i in idx]
+    """The k most likely ids with their log-probabilities, most likely first (ties: lower id first)."""
+    ids, lps = top_k_logprobs(np.asarray(logits, dtype=np.float32), k)
+    return [(int(i), float(lp)) for i, lp in zip(ids, lps, strict=True)]

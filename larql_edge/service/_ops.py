@@ -37,7 +37,11 @@ bp = Blueprint("ops")
 
 @bp.get("/v1/health", name="health")
 async def health(request: Request) -> HTTPResponse:
-    """Alive: answers as soon as the process listens, loaded or not."""
+    """Alive: answers as soon as the process listens, loaded or not; 503 once the role has failed for
+    good (``app.ctx.failed``, e.g. its model cannot load), so a supervisor restarts it."""
+    failed = getattr(request.app.ctx, "failed", None)
+    if failed:
+        raise ServiceUnavailable(failed)
     return json({"status": "ok"})
 
 
@@ -50,7 +54,20 @@ async def ready(request: Request) -> HTTPResponse:
 
 @bp.get("/v1/stats", name="stats")
 async def stats(request: Request) -> HTTPResponse:
-    return json(request.app.ctx.hooks.stats(request))
+    body = request.app.ctx.hooks.stats(request)
+    if isinstance(body, dict) and "kernels" not in body:
+        body = {**body, "kernels": _kernels()}
+    return json(body)
+
+
+def _kernels() -> dict:
+    """The compute backend of this process (ggml's version and CPU features for ``compact``)."""
+    from larql_edge.model.backend import backend_info
+
+    try:
+        return backend_info()
+    except Exception as e:  # noqa: BLE001 - a stats page reports a broken backend, it does not fail
+        return {"error": str(e)}
 
 
 @bp.get("/openapi.json", name="openapi")

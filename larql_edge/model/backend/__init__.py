@@ -22,7 +22,7 @@ from larql_edge.config import backend_name
 from larql_edge.model.backend._base import Backend
 from larql_edge.model.backend._numpy import NumpyBackend
 
-__all__ = ["Backend", "NumpyBackend", "choose_backend", "default_backend_name", "get_backend"]
+__all__ = ["Backend", "NumpyBackend", "backend_info", "choose_backend", "default_backend_name", "get_backend"]
 
 
 def _mlx_available() -> bool:
@@ -76,3 +76,14 @@ def get_backend(name: str | None = None) -> Backend:
         lib()  # a clear KernelError now if libggml-python is missing, not on the first product
         return CompactBackend()
     raise ValueError(f"unknown backend {name!r}")
+
+
+def backend_info(name: str | None = None) -> dict:
+    """What computes here: the backend's name and, for ``compact``, ggml's library, version, path,
+    CPU features and kernel threads (``/v1/stats`` ``kernels``, ``larql-slicer inspect --backend``)."""
+    name = name or default_backend_name()
+    if name != "compact":
+        return {"backend": name}
+    from larql_edge.model.kernels import kernel_info
+
+    return {"backend": name, **kernel_info()}

@@ -16,7 +16,6 @@ NULL) spawns threads on every product, 20-80x slower on this loaded 2-core machi
 from __future__ import annotations
 
 import ctypes as C
-import os
 import sys
 import threading
 from functools import lru_cache
@@ -73,7 +72,12 @@ class _Lib:
         if libdir is None:
             raise KernelError(f"libggml-python at {root} has no libggml-base{ext}")
         self.path = libdir
-        self.version = getattr(libggml, "__version__", "?")
+        try:
+            from importlib.metadata import version
+
+            self.version = version("libggml-python")
+        except Exception:  # noqa: BLE001 - a copy without package metadata
+            self.version = "unknown"
         self.base = C.CDLL(str(libdir / f"libggml-base{ext}"), mode=C.RTLD_GLOBAL)
         self.cpu = C.CDLL(str(libdir / f"libggml-cpu{ext}"), mode=C.RTLD_GLOBAL)
         b, c = self.base, self.cpu
@@ -216,9 +220,3 @@ def to_float(fmt: str, src: np.ndarray, dst: np.ndarray) -> None:
     number of values), with ggml's own dequantizer."""
     lib().to_float[fmt](src.ctypes.data, dst.ctypes.data, dst.size)
 
-
-def cpu_count() -> int:
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # macOS
-        return max(1, os.cpu_count() or 1)

@@ -58,7 +58,7 @@ class CompactMatrix:
             )
         if not raw.flags.c_contiguous:
             raise KernelError(f"{fmt} weight bytes must be C-contiguous (a slice of the file, not a strided view)")
-        # a plain ndarray view (a np.memmap subclass would be a distinct numba type)
+        # a plain ndarray view (not a np.memmap subclass: slicing it stays cheap)
         data = raw.view(np.ndarray).reshape(rows, f.row_bytes(cols))
         if fmt == "f16":
             data = data.view(np.uint16)

@@ -1,10 +1,11 @@
-"""The kernels' one thread pool: plain Python threads over row ranges (the kernels release the GIL).
+"""The kernels' one thread pool: plain Python threads over row ranges (ctypes releases the GIL).
 
-Why not numba's ``parallel=True``: its OpenMP/TBB workers and OpenBLAS's workers are two pools that,
-on a 2-core machine, spin against each other after every call (measured: DESIGN.md). Here the only
-parallelism is ``threads`` Python threads, each running a serial kernel (and, for tiled products, a
-single-threaded SGEMM: the process must keep BLAS at one thread, as larql-edge does with
-OPENBLAS_NUM_THREADS=1). The calling thread does one share itself, so one thread means no pool.
+Why not ggml's own threads: without a persistent ggml threadpool every multi-thread graph spawns and
+joins its threads (measured 20-80x slower per product on this loaded 2-core machine), and a persistent
+one spins or sleeps beside OpenBLAS's workers: two pools that stall each other on 2 cores (DESIGN.md).
+Here the only parallelism is ``threads`` Python threads, each running a one-thread ggml graph over its
+rows (or, for tiled products, a single-threaded SGEMM: the process keeps BLAS at one thread, as
+larql-edge does with OPENBLAS_NUM_THREADS=1). The calling thread does one share itself.
 """
 
 from __future__ import annotations

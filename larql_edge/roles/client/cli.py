@@ -95,16 +95,22 @@ def generate(args: argparse.Namespace) -> int:
         sys.stdout.write(args.prompt)
         sys.stdout.flush()
     last, local = t0, model.local_s
-    for t in model.generate(ids, args.max_tokens, args.temperature, args.seed):
-        if hops is not None:
-            now = time.perf_counter()
-            times.append(TokenTime(now - last, model.local_s - local, hops.drain()))
-        out.append(t)
-        if not args.json:
-            sys.stdout.write(stream.push(t))
+    try:
+        for t in model.generate(ids, args.max_tokens, args.temperature, args.seed):
+            if hops is not None:
+                now = time.perf_counter()
+                times.append(TokenTime(now - last, model.local_s - local, hops.drain()))
+            out.append(t)
+            if not args.json:
+                sys.stdout.write(stream.push(t))
+                sys.stdout.flush()
+            if hops is not None:
+                last, local = time.perf_counter(), model.local_s
+    except BaseException:
+        if not args.json:  # the error (or ^C) goes on a line of its own, not glued to the text
+            sys.stdout.write(stream.flush() + "\n")
             sys.stdout.flush()
-        if hops is not None:
-            last, local = time.perf_counter(), model.local_s
+        raise
     dt = time.perf_counter() - t0
     hedger = getattr(model.ffn_provider, "hedger", None)
     hedges = hedger.stats() if hedger is not None else None

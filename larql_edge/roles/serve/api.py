@@ -206,9 +206,9 @@ class Message(_Strict):
     role: str
     content: Content = ""
     name: str | None = None  # given to the chat template, as transformers does
-    # The tool-calling fields of a message: grammar's tools work opens them.
-    tool_calls: Refused = None
-    tool_call_id: Refused = None
+    # A tool-calling turn of the history, given to the chat template as transformers does.
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
     function_call: Refused = None
     refusal: Refused = None
     audio: Refused = None
@@ -217,6 +217,10 @@ class Message(_Strict):
         out: dict[str, Any] = {"role": self.role, "content": self.content}
         if self.name is not None:
             out["name"] = self.name
+        if self.tool_calls is not None:
+            out["tool_calls"] = self.tool_calls
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
         return out
 
 
@@ -246,6 +250,11 @@ class _Common(_Strict):
     repetition_penalty: RepetitionPenalty | None = Field(
         None, description="Divides the probability of every token seen in the prompt or output (1: off)")
     user: str | None = ignored("OpenAI's end-user id")
+    # Structured output (`structured.response_format_schema` checks the inside, naming the field at
+    # fault); on completions as vLLM takes it.
+    response_format: dict[str, Any] | None = Field(
+        None, description='{"type": "text" | "json_object" | "json_schema", "json_schema": {"name", "schema", "strict"}}: '
+        "the reply is generated to match (llguidance)")
 
 
 class CompletionRequest(_Common):
@@ -265,11 +274,14 @@ class ChatCompletionRequest(_Common):
     logprobs: bool | None = None
     top_logprobs: TopLogprobs | None = None
     modalities: list[Literal["text"]] | None = None
-    # Structured output and tools: the grammar engine's (refused until it lands).
-    response_format: Refused = None
-    tools: Refused = None
-    tool_choice: Refused = None
-    parallel_tool_calls: Refused = None
+    # Tools (`tools.plan` checks them, naming the field at fault).
+    tools: list[dict[str, Any]] | None = Field(
+        None, description='[{"type": "function", "function": {"name", "description", "parameters"}}], given to the chat '
+        "template")
+    tool_choice: str | dict[str, Any] | None = Field(
+        None, description='"none", "auto" (the default with tools), "required" or {"type": "function", "function": {"name"}}: '
+        "required and a named function are enforced with the grammar engine")
+    parallel_tool_calls: bool | None = Field(None, description="false: required makes exactly one call")
     functions: Refused = None
     function_call: Refused = None
     audio: Refused = None

@@ -32,6 +32,7 @@ from .chat import ChatTemplate
 from .openapi import openapi_spec
 from .routes import bp
 from .scheduler import Scheduler
+from .structured import Grammars
 
 # The request bodies are small JSON (a prompt, messages): 4 MiB takes a context's worth of text.
 MAX_BODY = 4 << 20
@@ -121,6 +122,7 @@ def create_app(engine: BatchEngine, served: Served, limits: Limits, name: str = 
     app = make_app(name, "serve", hooks, max_body=MAX_BODY, error_body=openai_error_body)
     app.config.RESPONSE_TIMEOUT = 3600  # a long generation streams for minutes
     app.ctx.served, app.ctx.scheduler, app.ctx.engine = served, sched, engine
+    app.ctx.grammars = Grammars(served.tokenizer, served.vocab, served.eos_ids)
     app.blueprint(bp)
     require_api_keys(app, api_keys)
 
@@ -188,7 +190,9 @@ def served_model(vx: Vindex, tokenizer, context: int, chat_template_file: str | 
     from .chat import eos_from_generation_config, load_chat_template
 
     spec = ModelSpec.from_index(vx.index)
-    eos = tuple(dict.fromkeys(spec.eos_token_ids + eos_from_generation_config(Path(vx.path))))
+    chat = load_chat_template(Path(vx.path), chat_template_file, tokenizer, vx.index.family)
+    turn_end = (tokenizer.token_to_id(chat.end_of_turn),) if chat is not None and chat.end_of_turn else ()
+    eos = tuple(dict.fromkeys(spec.eos_token_ids + eos_from_generation_config(Path(vx.path)) + turn_end))
     return Served(model_id=names[0] if names else vx.model, tokenizer=tokenizer, vocab=spec.vocab_size, context=context,
-                  chat_template=load_chat_template(Path(vx.path), chat_template_file), eos_ids=eos,
+                  chat_template=chat, eos_ids=eos,
                   names=frozenset((*names, vx.model)))

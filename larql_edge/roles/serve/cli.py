@@ -14,7 +14,7 @@ import sys
 
 from larql_edge.config import Flags, positional_list_from_env
 from larql_edge.errors import LarqlError
-from larql_edge.service import add_server_flags, pin_blas, serve, setup_logging
+from larql_edge.service import add_server_flags, pin_blas, serve, setup_logging, tls_settings
 
 log = logging.getLogger("larql.serve")
 MAX_STEP_TOKENS = 2048
@@ -89,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     from larql_edge.roles.serve.auth import parse_keys
 
     try:
+        tls = tls_settings(args)
         vx = Vindex.open(paths[0])
         mc = vx.index.model_config
         model_ctx = (mc.max_position_embeddings if mc is not None else None) or Limits().context
@@ -109,12 +110,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"larql-serve: error: {e}", file=sys.stderr)
         return e.exit_code
 
-    log.info("larql-serve: %s, context %d, %d active + %d queued, chat template %s; grid %s; API keys: %d; "
-             "listening on http://%s:%d", served.model_id, context, limits.max_active, limits.max_queue,
-             "yes" if served.chat_template else "none", args.ffn, len(parse_keys(args.api_key)), args.host, args.port)
     keys = parse_keys(args.api_key)
+    log.info("larql-serve: %s, context %d, %d active + %d queued, chat template %s; grid %s; API keys: %d; "
+             "listening on %s://%s:%d", served.model_id, context, limits.max_active, limits.max_queue,
+             "yes" if served.chat_template else "none", args.ffn, len(keys), "https" if tls.serving else "http",
+             args.host, args.port)
     serve(lambda: create_app(engine, served, limits, api_keys=keys), args.host, args.port,
-          access_log=args.access_log, drain=args.drain_seconds)
+          access_log=args.access_log, drain=args.drain_seconds, tls=tls)
     return 0
 
 

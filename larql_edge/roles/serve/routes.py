@@ -23,8 +23,9 @@ from larql_edge.errors import BadRequest, LarqlError, NotFound
 from larql_edge.model import tokens
 from larql_edge.service import JSON_KIND, body_kind, json_object
 
-from . import api
+from . import api, tools
 from .scheduler import Event, Params, Seq, TokenInfo
+from .structured import Constraint, response_format_schema
 
 bp = Blueprint("openai")
 
@@ -99,7 +100,14 @@ async def _body(request: Request) -> dict:
     if request.stream is not None:
         request.stream.request_max_size = request.app.config.REQUEST_MAX_SIZE
         await request.receive_body()
+    if len(request.body or b"") > LOOP_PARSE_BYTES:  # a long prompt's JSON: parsed off the loop (#19)
+        return await request.app.ctx.compute.run(json_object, request)
     return json_object(request)
+
+
+# Parsing a 4 MiB body (UTF-8, surrogate scan, json) takes tens of ms, more on a busy host: eight of
+# them on the loop held /v1/health past its bound.
+LOOP_PARSE_BYTES = 256 << 10
 
 
 def _prompt_ids(served, prompt: str | list[int], chat: bool) -> list[int]:
@@ -174,6 +182,9 @@ class Shape:
     cached: int = 0  # prompt tokens that came from the prefix cache
     echo: list[str] = field(default_factory=list)  # completions' echo, by choice: the prompt's text first
     rid: str = ""
+    tool_plan: tools.ToolPlan | None = None  # a chat with tools: its text may become tool_calls
+    tool_syntax: str | None = None  # the chat template's tool-call syntax (`tools.syntax_of`)
+    replies: dict[int, tools.ToolReply] = field(default_factory=dict)  # by choice
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:
@@ -202,6 +213,8 @@ class Shape:
         out: dict[str, Any] = {"index": index, "finish_reason": finish, "logprobs": self._logprobs(infos, 0)}
         if self.chat:
             out["message"] = {"role": "assistant", "content": text}
+            if self.tool_plan is not None:
+                out["message"], out["finish_reason"] = self.reply(index).message(text, finish)
         else:
             out["text"] = text
         return out
@@ -217,6 +230,27 @@ class Shape:
         else:
             out["text"] = text or ""
         return out
+
+
+    def reply(self, index: int) -> tools.ToolReply:
+        assert self.tool_plan is not None
+        if index not in self.replies:
+            self.replies[index] = tools.ToolReply(self.tool_plan, self.tool_syntax)
+        return self.replies[index]
+
+    def deltas(self, index: int, text: str, infos: list[TokenInfo], offset: int) -> list[dict]:
+        """The streamed pieces one released text becomes (a tool call's: none while held, or several)."""
+        if self.tool_plan is None:
+            return [self.delta(index, text, infos, offset)]
+        return [{"index": index, "delta": d, "logprobs": None, "finish_reason": None} for d in self.reply(index).delta(text)]
+
+    def closing(self, index: int, finish: str | None) -> list[dict]:
+        """What ends a streamed choice: the tool calls still owed, then the chunk with its finish_reason."""
+        owed: list[dict] = []
+        if self.tool_plan is not None:
+            pieces, finish = self.reply(index).close(finish)
+            owed = [{"index": index, "delta": d, "logprobs": None, "finish_reason": None} for d in pieces]
+        return [*owed, self.delta(index, None, [], finish=finish)]
 
 
 async def _collect(seqs: list[Seq], shape: Shape) -> HTTPResponse:
@@ -270,18 +304,29 @@ async def _stream(request: Request, seqs: list[Seq], shape: Shape) -> None:
             break
         if ev.kind == "done":
             left -= 1
-            await send([shape.delta(ev.index, None, [], finish=ev.finish_reason)])
+            for piece in shape.closing(ev.index, ev.finish_reason):
+                await send([piece])
             if not left and shape.include_usage:
                 await send([], shape.usage(seqs))
             continue
-        await send([shape.delta(ev.index, ev.text, ev.tokens, offsets[ev.index])])
+        for piece in shape.deltas(ev.index, ev.text, ev.tokens, offsets[ev.index]):
+            await send([piece])
         offsets[ev.index] += len(ev.text)
     await response.send("data: [DONE]\n\n")
     await response.eof()
 
 
+async def _constraint(request: Request, schema: dict | None, param: str) -> Constraint | None:
+    """The grammar of a structured reply, compiled in the compute thread (the first one indexes the
+    vocabulary); each sequence takes its own copy."""
+    if schema is None:
+        return None
+    return await request.app.ctx.compute.run(request.app.ctx.grammars.json_schema, schema, param)
+
+
 async def _run(request: Request, req: api.CompletionRequest | api.ChatCompletionRequest, prompts: list[list[int]],
-               chat: bool, echo: list[str] | None = None) -> HTTPResponse | None:
+               chat: bool, echo: list[str] | None = None, constraint: Constraint | None = None,
+               plan: tools.ToolPlan | None = None, tool_syntax: str | None = None) -> HTTPResponse | None:
     """``prompts``: one, or a completions batch; each gives n choices (index: prompt x n + i)."""
     app = request.app
     served, sched = app.ctx.served, app.ctx.scheduler
@@ -296,9 +341,10 @@ async def _run(request: Request, req: api.CompletionRequest | api.ChatCompletion
     stream = bool(req.stream)
     shape = Shape(chat, served.model_id, sum(len(ids) for ids in prompts), logprobs,
                   include_usage=stream and bool(req.stream_options and req.stream_options.include_usage),
-                  echo=[e for e in echo or () for _ in range(n)])
+                  echo=[e for e in echo or () for _ in range(n)], tool_plan=plan, tool_syntax=tool_syntax)
     loop, events = asyncio.get_running_loop(), asyncio.Queue[Event]()
-    groups = [[Seq(ids, p, loop, events, index=j * n + i) for i in range(n)] for j, (ids, p) in
+    groups = [[Seq(ids, p, loop, events, index=j * n + i, constraint=constraint and constraint.copy())
+               for i in range(n)] for j, (ids, p) in
               enumerate(zip(prompts, params, strict=True))]
     seqs = [s for g in groups for s in g]
     try:
@@ -327,11 +373,13 @@ async def completions(request: Request):
         return [_prompt_ids(served, p, False) for p in req.prompt]
 
     prompts = await request.app.ctx.compute.run(tokenized)
+    constraint = await _constraint(request, response_format_schema(req.response_format),
+                                   "response_format.json_schema.schema")
     echo = None
     if req.echo:
         echo = [p if isinstance(p, str) else served.tokenizer.decode(ids, skip_special_tokens=False)
                 for p, ids in zip(req.prompt, prompts, strict=True)]
-    return await _run(request, req, prompts, chat=False, echo=echo)
+    return await _run(request, req, prompts, chat=False, echo=echo, constraint=constraint)
 
 
 @bp.post("/v1/chat/completions", name="chat_completions", stream=True)
@@ -344,8 +392,15 @@ async def chat_completions(request: Request):
                             "tokenizer_config.json chat_template): use /v1/completions, or start larql-serve with "
                             "--chat-template FILE", "messages", "no_chat_template")
     template = served.chat_template
+    plan = tools.plan(req.tools, req.tool_choice, req.parallel_tool_calls)
+    schema, param = response_format_schema(req.response_format), "response_format.json_schema.schema"
+    if plan is not None and plan.forced:  # the call's grammar wins over a response_format
+        schema, param = plan.schema(), "tools"
+    constraint = await _constraint(request, schema, param)
 
     def prompt_ids() -> list[int]:  # rendering and tokenizing: off the event loop
-        return _prompt_ids(served, template.render(messages, add_generation_prompt=True), True)
+        text = template.render(messages, add_generation_prompt=True, tools=None if plan is None else plan.tools)
+        return _prompt_ids(served, text, True)
 
-    return await _run(request, req, [await request.app.ctx.compute.run(prompt_ids)], chat=True)
+    return await _run(request, req, [await request.app.ctx.compute.run(prompt_ids)], chat=True, constraint=constraint,
+                      plan=plan, tool_syntax=None if plan is None else tools.syntax_of(template.source))

@@ -11,6 +11,10 @@
   stack of rows (one FFN request per layer, one logits request).
 - Sampling is local, on the top ``k`` log-probabilities the head returns (k = 64, or more for
   ``top_logprobs``): greedy takes the first (exact), otherwise temperature then top-p over those k.
+- Structured output: a sequence with a grammar (`structured.Constraint`) sends its allowed-token
+  bitmask with its row; the head's top k are then among the allowed tokens only, so whatever is
+  sampled keeps the grammar satisfiable. The grammar takes each token; when nothing but the end can
+  follow, the sequence stops (``stop``) without spending a step on the end-of-sequence token.
 - Text: the generated ids are re-decoded as a whole; text is released only when it cannot be the
   start of a stop string (stop strings are matched across token boundaries, and the text ends before
   the stop string), nor a character still incomplete (byte-fallback tokenizers).
@@ -93,9 +97,11 @@ class Seq:
     _next = 0
 
     def __init__(self, prompt_ids: Sequence[int], params: Params, loop: asyncio.AbstractEventLoop,
-                 events: asyncio.Queue[Event] | None = None, index: int = 0):
-        """``events``: a request's n sequences post to one queue, each event carrying its ``index``."""
+                 events: asyncio.Queue[Event] | None = None, index: int = 0, constraint: Any = None):
+        """``events``: a request's n sequences post to one queue, each event carrying its ``index``;
+        ``constraint``: its own `structured.Constraint` (never shared between sequences), or None."""
         Seq._next += 1
+        self.constraint = constraint  # a structured.Constraint, or None
         self.id = Seq._next
         self.index = index
         self.prompt = list(prompt_ids)
@@ -331,9 +337,12 @@ class Scheduler:
                 ids = s.prompt[s.fed : s.fed + n]
                 s.fed += n
                 budget -= n
-                chunks.append(Chunk(s.cache, ids, wants_logits=s.fed == len(s.prompt)))
+                last = s.fed == len(s.prompt)
+                chunks.append(Chunk(s.cache, ids, wants_logits=last,
+                                    mask=s.constraint.mask() if last and s.constraint is not None else None))
             else:
-                chunks.append(Chunk(s.cache, [s.generated[-1]]))
+                chunks.append(Chunk(s.cache, [s.generated[-1]],
+                                    mask=s.constraint.mask() if s.constraint is not None else None))
             owners.append(s)
         if not chunks:
             return
@@ -366,6 +375,10 @@ class Scheduler:
             self._accept(sib, *top)  # the same next-token candidates, its own draw
 
     def _accept(self, s: Seq, ids: np.ndarray, lps: np.ndarray) -> None:
+        if s.constraint is not None and s.constraint.error is not None:
+            log.error("sequence %d: %s", s.id, s.constraint.error)
+            self._finish(s, None, RuntimeError(s.constraint.error))
+            return
         tok = sample(ids, lps, s.params, s.rng, s.prompt, s.generated)
         now = time.perf_counter()
         if s.t_first is None:
@@ -376,6 +389,13 @@ class Scheduler:
         s.t_last = now
         s.generated.append(tok)
         self.generated_tokens += 1
+        if s.constraint is not None:
+            try:
+                s.constraint.accept(tok)
+            except RuntimeError as e:  # the grammar and the head disagree (a bug): this sequence alone fails
+                log.error("sequence %d: %s", s.id, e)
+                self._finish(s, None, e)
+                return
         if tok in self.eos:
             self._release(s, final=True)
             self._finish(s, "stop")
@@ -387,6 +407,9 @@ class Scheduler:
             top = [(int(i), self.tok.decode([int(i)]), float(v)) for i, v in zip(ids[:n], lps[:n], strict=True)]
             s.pending_infos.append(TokenInfo(tok, self.tok.decode([tok]), lp, top))
         if self._release(s, final=False):
+            self._finish(s, "stop")
+        elif s.constraint is not None and s.constraint.complete:
+            self._release(s, final=True)
             self._finish(s, "stop")
         elif len(s.generated) >= s.params.max_tokens or s.cache is None or s.cache.length + 1 > s.cache.context:
             self._release(s, final=True)

@@ -5,17 +5,39 @@ import json
 
 from larql_edge.config import Flags
 from larql_edge.console import human
+from larql_edge.errors import SetupError
 from larql_edge.format.vindex import Vindex
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("inspect", help="show a vindex's model, level, dtype and files")
-    p.add_argument("vindex", metavar="VINDEX")
-    Flags(p).switch("--json", help="machine-readable output")
+    p = sub.add_parser("inspect", help="show a vindex's model, level, dtype and files (or, with --backend, "
+                                       "the compute backend: kernel library, version, CPU features)")
+    p.add_argument("vindex", metavar="VINDEX", nargs="?")
+    flags = Flags(p)
+    flags.switch("--json", help="machine-readable output")
+    flags.switch("--backend", help="show the compute backend this process would use (no VINDEX needed)")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.backend:
+        from larql_edge.model.backend import backend_info
+
+        b = backend_info()
+        if args.json:
+            print(json.dumps(b, indent=2))
+        else:
+            print(f"Backend     {b['backend']}")
+            for key, label in (("library", "Library"), ("version", "Version"), ("path", "Path"),
+                               ("cpu_features", "CPU"), ("threads", "Threads")):
+                if key in b:
+                    v = b[key]
+                    print(f"{label:<11} {' '.join(v) if isinstance(v, list) else v}")
+        if args.vindex is None:
+            return 0
+        print()
+    if args.vindex is None:
+        raise SetupError("give a VINDEX to inspect (or --backend)")
     vx = Vindex.open(args.vindex)
     ix = vx.index
     files = {f.name: f.stat().st_size for f in vx.files()}

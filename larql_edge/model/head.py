@@ -1,0 +1,91 @@
+"""The logits head, written once: final norm -> lm_head -> final softcap, and top-k with one tie rule.
+
+`LocalHead` is what every tier that holds the lm_head runs (the single-sequence forward, the batch
+engine's `LocalTopK`, the embed server's `LogitsHead`). The lm_head's form (Q8_0, f16, f32; mapped
+from the vindex or a shared converted copy) is chosen by `larql_edge.model.lm_head`.
+
+Top-k never sorts the vocabulary: the top k of a row are found among the k blocks of 512 with the
+largest maxima (the top k values all lie in those blocks). Ties: the lower id first, as ``argmax``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from larql_edge.config import cache_dir
+from larql_edge.format.vindex import Vindex
+from larql_edge.model import ops
+from larql_edge.model.backend import Backend, get_backend
+from larql_edge.model.lm_head import compute_copy, head_format
+from larql_edge.model.spec import ModelSpec
+from larql_edge.model.weights import final_norm
+
+_BLOCK = 512
+
+
+class LocalHead:
+    """``softcap(lm_head @ final_norm(h))`` for pre-final-norm rows ``h``."""
+
+    def __init__(self, vx: Vindex, spec: ModelSpec, backend: Backend | None = None, cache: Path | None | bool = True,
+                 lm_head_format: str = "auto"):
+        """``cache``: the folder of converted lm_head copies (True: this process's cache folder; None:
+        a converted copy stays in memory)."""
+        self.backend = backend or get_backend()
+        self.spec = spec
+        self.norm = final_norm(vx)
+        if self.norm.shape != (spec.hidden_size,):
+            raise ValueError(f"final norm has shape {self.norm.shape}, expected ({spec.hidden_size},)")
+        folder = cache_dir() / "lm-head" if cache is True else (cache or None)
+        self.copy = compute_copy(vx, folder, head_format(vx, lm_head_format, self.backend))
+        self.weight = self.backend.prepare(self.copy.matrix)
+        self.vocab, self.hidden = self.copy.shape
+        self.tied = vx.tied
+
+    def warm_up(self) -> None:
+        """Fault the whole matrix into memory and load the kernels, so the first request is not slow."""
+        self.logits(np.zeros((1, self.hidden), dtype=np.float32))
+
+    def logits(self, h: np.ndarray) -> np.ndarray:
+        s = self.spec
+        x = ops.rms_norm(np.atleast_2d(h), self.norm, s.rms_norm_eps, s.family.norm_offset)
+        y = np.asarray(self.backend.linear(x, self.weight), dtype=np.float32)
+        return ops.softcap(y, s.final_logit_softcapping)
+
+
+def top_k_ids(row: np.ndarray, k: int) -> np.ndarray:
+    """Indices of the k largest values of ``row``, largest first (ties: lower id first)."""
+    n = row.size
+    k = min(k, n)
+    if k * _BLOCK * 4 < n:
+        nblocks = n // _BLOCK
+        bmax = row[: nblocks * _BLOCK].reshape(nblocks, _BLOCK).max(axis=1)
+        # every block whose maximum reaches the k-th largest maximum (ties included: the tie rule
+        # must see every tied value)
+        best = np.nonzero(bmax >= np.partition(bmax, nblocks - k)[nblocks - k])[0]
+        cand = (best[:, None] * _BLOCK + np.arange(_BLOCK)).ravel()
+        if nblocks * _BLOCK < n:  # the ragged tail is always a candidate
+            cand = np.concatenate([cand, np.arange(nblocks * _BLOCK, n)])
+    else:
+        cand = np.arange(n)
+    vals = row[cand]
+    if k < cand.size:
+        # a value tied with the k-th may sit outside argpartition's pick: keep every candidate >= it
+        kth = np.partition(vals, vals.size - k)[vals.size - k]
+        keep = vals >= kth
+        cand, vals = cand[keep], vals[keep]
+    order = np.lexsort((cand, -vals))[:k]
+    return cand[order]
+
+
+def log_normaliser(row: np.ndarray) -> float:
+    """log(sum(exp(row))), computed stably (float32 exponentials, float64 sum)."""
+    m = float(row.max())
+    return m + float(np.log(np.sum(np.exp(row - np.float32(m)), dtype=np.float64)))
+
+
+def top_k_logprobs(row: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The top ``k`` ids of a logits row and their log-probabilities (temperature 1), most likely first."""
+    ids = top_k_ids(row, k)
+    return ids.astype(np.int64), row[ids].astype(np.float64) - log_normaliser(row)
