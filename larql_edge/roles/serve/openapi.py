@@ -67,6 +67,7 @@ def _bounded(schemas: dict, stats: dict) -> None:
     the context. Text is not bounded: its length in tokens is the tokenizer's (and, for messages, the
     chat template's), so a schema-valid request may still be a 400 context_length_exceeded."""
     ctx, vocab = int(stats["limits"]["context"]), int(stats["vocab_size"])
+    schemas["DetokenizeRequest"]["properties"]["tokens"]["items"]["maximum"] = vocab - 1
     for alt in schemas["CompletionRequest"]["properties"]["prompt"]["anyOf"]:
         if alt["type"] == "array" and alt["items"]["type"] == "integer":
             alt["items"]["maximum"] = vocab - 1
