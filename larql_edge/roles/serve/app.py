@@ -106,7 +106,7 @@ def create_app(engine: BatchEngine, served: Served, limits: Limits, name: str = 
     def stats(request: Request) -> dict:
         return {"mode": "serve", "model": served.model_id, "num_layers": engine.spec.num_layers,
                 "hidden_size": engine.spec.hidden_size, "vocab_size": served.vocab,
-                "chat_template": served.chat_template is not None,
+                "chat_template": served.chat_template is not None, "api_keys": bool(api_keys),
                 "active": sched.active_count, "queued": sched.queued_count,
                 "scheduler": sched.stats(), "limits": limits.as_json(engine.spec), "data_path": data_path(),
                 "speculation": sched.speculation.as_json()}
