@@ -18,7 +18,6 @@ from larql_edge.model.kernels import (
     COMPACT_FORMATS,
     CompactMatrix,
     KernelError,
-    _matrix,
 )
 
 GGML_TYPE = {f: GGMLQuantizationType[f.upper()] for f in ("q8_0", "q4_k", "q6_k", "q5_0", "q4_1")}
