@@ -110,6 +110,7 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=20.0)
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--hogs", type=int, default=0, help="CPU hogs (stress-ng) beside the servers")
+    ap.add_argument("--only", default="embed,ffn,router,serve", help="the servers to load, comma-separated")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "largest_request.txt"))
     args = ap.parse_args()
     lines: list[str] = []
@@ -199,11 +200,17 @@ def main() -> int:
              f"{len(tok.encode(fits).ids)}-token one (context {vl['context']}), 1 token",
              k * 16 * vl["max_body_bytes"], f"{k} clients x (body + parsed text + tokens)"),
         ]
-        for name, role, reqs, what, bound, why in cases:
+        only = set(args.only.split(","))
+        keys = {"embed server": "embed", "FFN shard": "ffn", "router": "router", "larql-serve": "serve"}
+        for name, role, reqs, what, bound, why in [c for c in cases if keys[c[0]] in only]:
+            def failures() -> dict[str, int]:
+                grid = json.loads(HttpClient().request("GET", router.url + "/v1/grid").content)
+                return {m["url"]: m["failures"] for m in grid["members"]}
+
+            before = failures()
             r = load(role, reqs, args.seconds, k)
             grew = r["rss_peak"] - r["rss_start"]
-            failed = [m["url"] for m in json.loads(HttpClient().request("GET", router.url + "/v1/grid").content)["members"]
-                      if m["failures"]]
+            failed = [u for u, n in failures().items() if n > before.get(u, 0)]  # marked failed during this case
             verdict = (not r["errors"] and r["health_p99_ms"] <= HEALTH_P99_BOUND_MS and grew <= bound and not failed)
             ok &= verdict
             say(f"{name}: {what}")

@@ -255,8 +255,7 @@ def test_serve_takes_the_direct_path_and_exports_the_time_split(grid):
     vx = Vindex.open(grid["vindex"])
     engine = remote_engine(vx, RemoteSettings(ffn=grid["router"].url, timeout=30, retries=1))
     with ServerThread(create_app(engine, served_model(vx, vx.load_tokenizer(), 64, None), Limits(context=64))) as s:
-        r = httpx.post(s.url + "/v1/completions", json={"prompt": [1, 5, 9], "max_tokens": 6, "temperature": 0,
-                                                         "ignore_eos": True}, timeout=60)
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": [1, 5, 9], "max_tokens": 6, "temperature": 0}, timeout=60)
         assert r.status_code == 200, r.text
         stats = httpx.get(s.url + "/v1/stats").json()
         text = httpx.get(s.url + "/metrics").text

@@ -96,6 +96,17 @@ def test_the_client_fails_over_from_a_damaged_replica_and_refuses_to_mix_builds(
         with pytest.raises(RemoteError, match="refusing to mix"):
             ffn.ffn(0, X)
         assert ffn.identity[0] == good_id
+    # the embed tier too: embeddings pinned to the build that first answered
+    from larql_edge.net.remote import RemoteEmbed
+
+    with inproc.embed({"gemma3": other}) as f16_embed:
+        with inproc.embed({"gemma3": tiny_models["gemma3"]}) as good_embed:
+            inproc.wait_ready(f16_embed, good_embed)
+            emb = RemoteEmbed(Replicas(HttpClient(timeout=10), retries=2, backoff=0.01),
+                              [good_embed.url, f16_embed.url], H)
+            assert emb.embed([1, 2]).shape == (2, H)
+        with pytest.raises(RemoteError, match="refusing to mix"):
+            emb.embed([1, 2])
 
 
 def test_the_embed_server_never_serves_a_damaged_row_as_immutable(tiny_models, tmp_path):

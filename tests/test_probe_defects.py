@@ -31,7 +31,8 @@ def tokenizer(tiny_models):
 
 def _serve(vx_path, router_url: str, limits: Limits) -> ServerThread:
     vx = Vindex.open(vx_path)
-    engine = remote_engine(vx, RemoteSettings(ffn=router_url, timeout=30, retries=1))
+    # generous: on a loaded host a step that times out ends every sequence of the batch (freeing slots)
+    engine = remote_engine(vx, RemoteSettings(ffn=router_url, timeout=300, retries=3))
     served = served_model(vx, vx.load_tokenizer(), limits.context, None)
     served.eos_ids = ()  # sequences run to max_tokens: they hold their slots as long as a test needs
     return ServerThread(create_app(engine, served, limits))

@@ -126,18 +126,34 @@ class Replicas:
                           + "; ".join(_dedupe(reasons)))
 
 
+def check_answer(values: np.ndarray, r: Reply, pins: dict, key: object, what: str) -> None:
+    """One model, sound values: a reply with non-finite values (damaged weights) or from another build
+    than the one ``key`` was first answered from (``X-Larql-Vindex``) is that replica's failure, so the
+    next one is tried and two builds are never mixed in one generation."""
+    if not np.isfinite(values).all():
+        raise RemoteError(f"non-finite values in the {what} reply")
+    ident = r.headers.get(VINDEX_HEADER)
+    if ident:
+        first = pins.setdefault(key, ident)
+        if ident != first:
+            raise RemoteError(f"{what} answered from vindex {ident}, earlier from {first}: "
+                              "refusing to mix two builds of the model")
+
+
 class RemoteEmbed:
     """Token ids -> scaled input rows, from POST /v1/embed (binary)."""
 
     def __init__(self, replicas: Replicas, urls: Sequence[str], hidden: int, path: DirectPath | None = None):
         self.replicas, self.urls, self.hidden = replicas, list(urls), hidden
         self.path = path  # with the direct data path: the embed servers the routers list come first
+        self.identity: dict[object, str] = {}  # the vindex the embed tier first answered from
 
     def embed(self, ids: Sequence[int]) -> np.ndarray:
         def decode(r: Reply) -> np.ndarray:
             rows = embed_wire.decode_embed_response(r.content)
             if rows.shape != (len(ids), self.hidden):
                 raise RemoteError(f"{list(rows.shape)} rows, expected [{len(ids)}, {self.hidden}]: another model?")
+            check_answer(rows, r, self.identity, "embed", "embeddings")
             return rows
 
         urls = self.path.embed_urls(self.urls) if self.path is not None else self.urls
@@ -275,7 +291,7 @@ class RemoteFfn:
                         "accept": ffn_wire.CONTENT_TYPE_F16 if f16 else ffn_wire.CONTENT_TYPE}
         self.seconds = 0.0  # time spent in FFN round trips (benchmarks read it)
         self.calls = 0
-        self.identity: dict[int, str] = {}  # layer -> the vindex that first answered it (X-Larql-Vindex)
+        self.identity: dict[object, str] = {}  # layer -> the vindex that first answered it (X-Larql-Vindex)
 
     def missing_layers(self) -> list[int]:
         return [layer for layer, urls in self._urls.items() if not urls]
@@ -291,14 +307,7 @@ class RemoteFfn:
             got, out, _ = ffn_wire.decode_response(r.content, self.hidden, f16=f16)
             if got != layer or out.shape != x2.shape:
                 raise RemoteError(f"the reply is for layer {got} with shape {list(out.shape)}")
-            if not np.isfinite(out).all():  # damaged weights: that replica's failure, the next one is tried
-                raise RemoteError(f"non-finite values in the layer {layer} reply")
-            ident = r.headers.get(VINDEX_HEADER)
-            if ident:  # one model: every token's layer answered by the same build (replicas of another are refused)
-                first = self.identity.setdefault(layer, ident)
-                if ident != first:
-                    raise RemoteError(f"layer {layer} answered from vindex {ident}, earlier from {first}: "
-                                      "refusing to mix two builds of the model")
+            check_answer(out, r, self.identity, layer, f"layer {layer}")
             return out
 
         body = ffn_wire.encode_request(layer, x)

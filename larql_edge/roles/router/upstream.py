@@ -13,7 +13,7 @@ import contextlib
 import logging
 import time
 
-from larql_edge.errors import BadRequest, TimedOut
+from larql_edge.errors import BadRequest, MemberSilent
 from larql_edge.net.failures import is_member_failure
 from larql_edge.net.h1 import Reply, TransportError, describe, error_text
 from larql_edge.net.h1_async import H1Pool
@@ -25,10 +25,6 @@ log = logging.getLogger("larql.router")
 FORWARD_REQUEST_HEADERS = ("content-type", "accept", "if-none-match", "accept-encoding")
 FORWARD_REPLY_HEADERS = ("content-type", "etag", "cache-control", "vary", "last-modified", "content-encoding",
                          VINDEX_HEADER)
-
-
-class Silent(TimedOut):
-    """A member stopped heartbeating while a request to it was in flight."""
 
 
 class MemberFailed(Exception):
@@ -91,7 +87,7 @@ class Upstream:
                     return task.result()
                 silent = reg.clock() - m.last_seen
                 if silent > reg.evict_after:
-                    raise Silent(f"no heartbeat for {silent:.1f} s")
+                    raise MemberSilent(f"no heartbeat for {silent:.1f} s")
         finally:
             if not task.done():
                 task.cancel()

@@ -100,7 +100,14 @@ async def _body(request: Request) -> dict:
     if request.stream is not None:
         request.stream.request_max_size = request.app.config.REQUEST_MAX_SIZE
         await request.receive_body()
+    if len(request.body or b"") > LOOP_PARSE_BYTES:  # a long prompt's JSON: parsed off the loop (#19)
+        return await request.app.ctx.compute.run(json_object, request)
     return json_object(request)
+
+
+# Parsing a 4 MiB body (UTF-8, surrogate scan, json) takes tens of ms, more on a busy host: eight of
+# them on the loop held /v1/health past its bound.
+LOOP_PARSE_BYTES = 256 << 10
 
 
 def _prompt_ids(served, prompt: str | list[int], chat: bool) -> list[int]:

@@ -43,13 +43,31 @@ async def embed(request, model_id: str | None = None):
         if "seq_len" in obj and json_int(obj["seq_len"]) != ids.size:  # optional, but never null
             raise BadRequest(f"seq_len {obj['seq_len']!r} disagrees with {ids.size} token_ids")
     ids = rq.check_ids(ids, m.vocab_size, request.app.ctx.cfg.limits.max_tokens)
-    parts = m.store.rows_bytes(ids)
     n, hidden = int(ids.size), m.hidden_size
-    for part in [parts] if isinstance(parts, bytes) else parts:
-        _check_finite(part, "the rows asked for")
-    if rq.wants_binary(request, default_binary=kind == BINARY_KIND):
+    binary = rq.wants_binary(request, default_binary=kind == BINARY_KIND)
+    store = m.store
+
+    def checked(parts: list[bytes] | bytes) -> list[bytes] | bytes:
+        for part in [parts] if isinstance(parts, bytes) else parts:
+            _check_finite(part, "the rows asked for")
+        return parts
+
+    def as_binary(parts: list[bytes] | bytes) -> HTTPResponse:
         body = wire.encode_embed_response_parts(n, hidden, [parts] if isinstance(parts, bytes) else parts)
         return HTTPResponse(body, content_type=BINARY)
+
+    if n > store.VECTOR_THRESHOLD:
+        # 4,096 rows are 4,096 reads, a finiteness check and 10 MB to build: in the compute thread, so
+        # eight such requests do not hold the loop's health checks for seconds (issue #19). The hot
+        # cache's counts stay on the loop, which owns the cache.
+        store.cache.count_many(ids)
+        if binary:
+            return await request.app.ctx.compute.run(lambda: as_binary(checked(store.gather(ids))))
+        parts = await request.app.ctx.compute.run(lambda: checked(store.gather(ids)))
+    else:
+        parts = checked(store.rows_bytes(ids))
+    if binary:
+        return as_binary(parts)
 
     def as_json() -> HTTPResponse:  # 4,096 rows make ~50 MB of JSON: built in the compute thread, not on the loop
         raw = parts if isinstance(parts, bytes) else b"".join(parts)
