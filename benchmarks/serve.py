@@ -3,7 +3,12 @@
 and the FFN requests per step (the number of layers, whatever the concurrency: continuous batching).
 
     python benchmarks/serve.py [--model gemma3-270m] [--tokens 32] [--streams 1,4,16,32] [--rounds 3] [--out benchmarks/results/serve.txt]
+    python benchmarks/serve.py --part prompt-cache [--out benchmarks/results/serve_prompt_cache.txt]
     python benchmarks/serve.py --structured [--streams 1,8]   # structured output's cost per token
+
+--part prompt-cache: the time to first token of the 5th turn of a multi-turn conversation (each turn re-sends
+the whole history, as a chat client does) on a larql-serve with its prefix cache and on one without
+(--prefix-cache-mb 0), same grid, turns alternating between the two; the ratio cached / uncached.
 
 ``--structured``: the same streams with and without ``response_format`` (a JSON schema whose replies
 run long: a list of at least 64 strings), alternating in each round; tok/s with the schema as a ratio
@@ -96,6 +101,66 @@ async def round_of(url: str, model: str, streams: int, tokens: int, extra: dict 
             "ttft_p50": pct(ttft, 50), "ttft_p99": pct(ttft, 99), "itl_p50": pct(itl, 50), "itl_p99": pct(itl, 99)}
 
 
+TURNS = ["Tell me about the old lighthouse on the cliff.", "Who kept it in the winter?", "What did they eat there?",
+         "Did ships still pass in the storms?", "How does the story end?"]
+
+
+def conversation_ttft(url: str, model: str, tokens: int, opening: str) -> tuple[float, int]:
+    """Five turns of one conversation (a transcript: the history, then the new question); the 5th turn's
+    time to first token and its cached prompt tokens."""
+    history = opening
+    ttft, cached = 0.0, 0
+    with httpx.Client(timeout=600) as client:
+        for q in TURNS:
+            history += f"\nUser: {q}\nAssistant:"
+            body = {"model": model, "prompt": history, "max_tokens": tokens, "temperature": 0, "stream": True,
+                    "stream_options": {"include_usage": True}}
+            t0 = time.perf_counter()
+            first, parts = None, []
+            with client.stream("POST", url + "/v1/completions", json=body) as r:
+                if r.status_code != 200:
+                    raise RuntimeError(f"HTTP {r.status_code}: {r.read()[:300]!r}")
+                for line in r.iter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    if chunk["choices"] and chunk["choices"][0]["text"]:
+                        first = first or time.perf_counter()
+                        parts.append(chunk["choices"][0]["text"])
+                    if chunk.get("usage"):
+                        cached = chunk["usage"]["prompt_tokens_details"]["cached_tokens"]
+            ttft = (first or time.perf_counter()) - t0
+            history += "".join(parts)
+    return ttft, cached
+
+
+def prompt_cache_part(sup, paths, router_url: str, ports: tuple[int, int], common: list[str], model: str,
+                      rounds: int, say) -> None:
+    host = common[1]
+    servers = {}
+    for label, extra, p in (("cache on", [], ports[0]), ("cache off", ["--prefix-cache-mb", "0"], ports[1])):
+        servers[label] = sup.start(f"serve-{label.replace(' ', '-')}", [
+            "larql-serve", str(paths["client"]), "--ffn", router_url, "--port", str(p), *common, "--max-active", "2",
+            "--context", "2048", "--served-model-name", model, *extra], f"http://{host}:{p}")
+    sup.wait_ready(list(servers.values()), time.monotonic() + 600)
+    opening = ("This is a conversation between a curious user and a helpful assistant who knows the history of "
+               "the coast, its lighthouses, their keepers and the ships that passed them. ") * 4
+    for s in servers.values():
+        conversation_ttft(s.url, model, 4, "Warm-up. ")
+    got: dict[str, list[tuple[float, int]]] = {k: [] for k in servers}
+    for i in range(rounds):
+        for label, s in servers.items():  # the same conversation on both, alternating: the same neighbours' load
+            got[label].append(conversation_ttft(s.url, model, 24, f"[{i}] " + opening))
+    on = statistics.median(t for t, _ in got["cache on"])
+    off = statistics.median(t for t, _ in got["cache off"])
+    say(f"prompt caching: TTFT of the 5th turn of a {len(TURNS)}-turn conversation (24 greedy tokens per reply), "
+        f"medians of {rounds} conversations; load average {os.getloadavg()[0]:.2f}")
+    say(f"  cache on:  {on * 1e3:8.0f} ms  (cached prompt tokens at turn 5: {[c for _, c in got['cache on']]})")
+    say(f"  cache off: {off * 1e3:8.0f} ms  (cached: {[c for _, c in got['cache off']]})")
+    say(f"  ratio on / off: {on / off:.2f} (target <= 0.3); per conversation: "
+        + ", ".join(f"{a[0] / b[0]:.2f}" for a, b in zip(got["cache on"], got["cache off"], strict=True)))
+
+
 def metric_sum(url: str, name: str) -> float:
     """The sum of a histogram's ``_sum`` samples (all labels) in a server's /metrics."""
     from prometheus_client.parser import text_string_to_metric_families
@@ -115,19 +180,24 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--streams", default="1,4,16,32")
     ap.add_argument("--rounds", type=int, default=3, help="rounds through every level (medians reported)")
-    ap.add_argument("--out", default=None, help="default: benchmarks/results/serve.txt (serve_structured.txt)")
+    ap.add_argument("--out", default=None,
+                    help="default: benchmarks/results/serve.txt (serve_structured.txt, serve_prompt_cache.txt)")
     ap.add_argument("--structured", action="store_true",
                     help="structured output's cost: tok/s with and without a JSON schema (default streams 1,8)")
+    ap.add_argument("--part", choices=["streams", "prompt-cache"], default="streams",
+                    help="prompt-cache: the 5th turn's TTFT with the prefix cache on vs off")
     args = ap.parse_args()
     if args.structured and args.streams == "1,4,16,32":
         args.streams = "1,8"
-    args.out = args.out or str(ROOT / "benchmarks" / "results" / ("serve_structured.txt" if args.structured else "serve.txt"))
+    args.out = args.out or str(ROOT / "benchmarks" / "results" / (
+        "serve_structured.txt" if args.structured else "serve_prompt_cache.txt" if args.part == "prompt-cache"
+        else "serve.txt"))
     levels = [int(x) for x in args.streams.split(",")]
     paths = role_vindexes(args.model, args.vindex, log=lambda m: None)
     n_layers = Vindex.open(paths["ffn"]).num_layers
     ranges = split_even(n_layers, 2)
     host = "127.0.0.1"
-    rp, ep, sv, *sp = pick_ports(host, [19690, 19682, 19600, 19680, 19681])
+    rp, ep, sv, sv2, *sp = pick_ports(host, [19690, 19682, 19600, 19601, 19680, 19681])
     env = role_env(dict(os.environ), LARQL_GRID_KEY="bench-key", PYTHONUNBUFFERED="1")
     sup = Supervisor(Path(tempfile.mkdtemp(prefix="larql-bench-serve-")), env)
     url = lambda p: f"http://{host}:{p}"  # noqa: E731
@@ -147,6 +217,9 @@ def main() -> int:
         sup.wait_ready(sup.roles, deadline)
         while not httpx.get(router.url + "/v1/grid").json()["complete"] or not httpx.get(router.url + "/v1/grid").json()["embed"]:
             time.sleep(0.2)
+        if args.part == "prompt-cache":
+            prompt_cache_part(sup, paths, router.url, (sv, sv2), common, args.model, args.rounds, say)
+            return 0
         serve = sup.start("serve", ["larql-serve", str(paths["client"]), "--ffn", router.url, "--port", str(sv), *common,
                                     "--max-active", str(max(levels)), "--max-queue", "0", "--context", "512",
                                     "--served-model-name", args.model], url(sv))
@@ -201,9 +274,9 @@ def main() -> int:
             say("aggregate rate at 16+ streams, the FFN next; neither is shared with another step (2 cores, all roles).")
     finally:
         sup.stop_all()
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text("\n".join(lines) + "\n")
-    print(f"written to {args.out}")
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text("\n".join(lines) + "\n")
+        print(f"written to {args.out}")
     return 0
 
 

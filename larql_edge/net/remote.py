@@ -180,6 +180,7 @@ class RemoteHead:
         self.path = path
         self.top_k = max(1, min(top_k, vocab))
         self.mode = "raw"
+        self.many_rows = True  # False once the server refused the many-rows raw form
         self.notice = notice
 
     def _urls(self) -> list[str]:
@@ -256,8 +257,33 @@ class RemoteHead:
         return self.replicas.request(self._urls(), "POST", query, content=content,
                                      headers={"content-type": ffn_wire.CONTENT_TYPE}, decode=decode, hop=("logits", None))
 
+    def _raw_rows(self, rows: np.ndarray) -> np.ndarray | None:
+        """Raw logits of several rows in ONE request (the many-rows form with the binary Accept):
+        speculative decoding's verification pass when it samples."""
+        if rows.shape[0] > self.MAX_ROWS:
+            parts = [self._raw_rows(rows[i : i + self.MAX_ROWS]) for i in range(0, rows.shape[0], self.MAX_ROWS)]
+            return None if any(p is None for p in parts) else np.concatenate(parts)  # type: ignore[arg-type]
+
+        def decode(r: Reply) -> np.ndarray | None:
+            if r.headers.get("content-type", "").startswith("application/json"):
+                return None
+            return embed_wire.decode_logits_response(r.content, self.vocab * rows.shape[0]).reshape(rows.shape[0], -1)
+
+        return self.replicas.request(self.urls, "POST", f"/v1/logits?rows={rows.shape[0]}",
+                                     content=embed_wire.encode_logits_rows_request(rows),
+                                     headers={"content-type": ffn_wire.CONTENT_TYPE, "accept": ffn_wire.CONTENT_TYPE},
+                                     decode=decode)
+
     def logits(self, h: np.ndarray) -> np.ndarray:
         rows = np.atleast_2d(np.asarray(h, dtype=np.float32))
+        if rows.shape[0] > 1 and self.mode == "raw" and self.many_rows:
+            try:
+                many = self._raw_rows(np.ascontiguousarray(rows))
+            except RemoteError:  # a server without the many-rows form: one request per row from now on
+                many = None
+            if many is not None:
+                return many
+            self.many_rows = False
         out = np.empty((rows.shape[0], self.vocab), dtype=np.float32)
         for i, row in enumerate(rows):  # the endpoint takes one position; decode asks for one
             got = self._raw(row) if self.mode == "raw" else None

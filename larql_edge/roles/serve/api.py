@@ -368,13 +368,19 @@ MAX_TOKENIZE_IDS = 1 << 20
 TokenId = Annotated[int, Field(ge=0), BeforeValidator(_integer)]
 
 
+_ONE_OF = ("content", "prompt", "messages")
+
+
 class TokenizeRequest(_Strict):
     """llama.cpp's ``{"content", "add_special", "with_pieces"}`` or vLLM's ``{"prompt" | "messages",
     "add_special_tokens", "add_generation_prompt"}``: exactly one of content, prompt, messages."""
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True, json_schema_extra={
+        "oneOf": [{"required": [k]} for k in _ONE_OF]})
     model: str | None = None
-    content: str | None = None
-    prompt: str | None = None
-    messages: list[Message] | None = Field(None, min_length=1)
+    content: Annotated[str | None, WithJsonSchema({"type": "string"})] = None
+    prompt: Annotated[str | None, WithJsonSchema({"type": "string"})] = None
+    messages: Annotated[list[Message] | None, WithJsonSchema(
+        {"type": "array", "items": {"$ref": "#/components/schemas/Message"}, "minItems": 1})] = Field(None, min_length=1)
     add_special: bool | None = Field(None, description="llama.cpp's name (default false)")
     add_special_tokens: bool | None = Field(None, description="vLLM's name (default true)")
     with_pieces: bool | None = Field(None, description="tokens as {id, piece} objects (llama.cpp)")
@@ -390,10 +396,12 @@ class DetokenizeRequest(_Strict):
 
 def tokenize_request(body: dict, model_id: str, names: frozenset[str] = frozenset()) -> TokenizeRequest:
     req = parse(TokenizeRequest, body, model_id, names)
-    given = [k for k in ("content", "prompt", "messages") if getattr(req, k) is not None]
+    given = [k for k in _ONE_OF if k in body]
     if len(given) != 1:
         raise bad("give exactly one of content (llama.cpp), prompt or messages (vLLM)", (given or ["content"])[-1],
                   "missing_required_parameter" if not given else "invalid_value")
+    if body[given[0]] is None:
+        raise bad(f"{given[0]} must not be null", given[0], "invalid_type")
     return req
 
 

@@ -20,6 +20,7 @@ from larql_edge.errors import ServiceUnavailable
 from larql_edge.format.vindex import Vindex
 from larql_edge.model.batch import BatchEngine, kv_bytes_per_token
 from larql_edge.model.prefix_cache import PrefixCache
+from larql_edge.model.speculative import Settings
 from larql_edge.model.tokens import TextBound
 from larql_edge.net.hops import HopLog
 from larql_edge.net.remote import RemoteSettings, build_tiers
@@ -38,6 +39,7 @@ from .structured import Grammars
 MAX_BODY = 4 << 20
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+STEP_ROWS_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 
 
 @dataclass
@@ -86,13 +88,14 @@ def effective_limits(limits: Limits, spec) -> Limits:
 
 
 def create_app(engine: BatchEngine, served: Served, limits: Limits, name: str = "larql_serve",
-               api_keys: tuple[str, ...] = ()) -> Sanic:
-    """``api_keys``: when given, every route but health, readiness, metrics and /openapi.json needs one."""
+               api_keys: tuple[str, ...] = (), speculation: Settings | None = None) -> Sanic:
+    """``api_keys``: when given, every route but health, readiness, metrics and /openapi.json needs one.
+    ``speculation``: n-gram speculative decoding's settings (None: the defaults, on)."""
     budget = limits.prefix_budget(engine.spec)
     prefix = PrefixCache(budget, kv_bytes_per_token(engine.spec)) if budget else None
     sched = Scheduler(engine, served.tokenizer, context=limits.context, max_active=limits.max_active,
                       max_queue=limits.max_queue, step_tokens=limits.step_tokens, eos_ids=served.eos_ids,
-                      prefix=prefix)
+                      prefix=prefix, speculation=speculation or Settings())
 
     def data_path() -> dict:
         path, hedger = getattr(engine.ffn, "path", None), getattr(engine.ffn, "hedger", None)
@@ -103,9 +106,10 @@ def create_app(engine: BatchEngine, served: Served, limits: Limits, name: str = 
     def stats(request: Request) -> dict:
         return {"mode": "serve", "model": served.model_id, "num_layers": engine.spec.num_layers,
                 "hidden_size": engine.spec.hidden_size, "vocab_size": served.vocab,
-                "chat_template": served.chat_template is not None,
+                "chat_template": served.chat_template is not None, "api_keys": bool(api_keys),
                 "active": sched.active_count, "queued": sched.queued_count,
-                "scheduler": sched.stats(), "limits": limits.as_json(engine.spec), "data_path": data_path()}
+                "scheduler": sched.stats(), "limits": limits.as_json(engine.spec), "data_path": data_path(),
+                "speculation": sched.speculation.as_json()}
 
     async def drain(seconds: float) -> None:
         """SIGTERM: new requests get a retryable 503, the sequences already admitted have ``seconds``
@@ -133,8 +137,13 @@ def create_app(engine: BatchEngine, served: Served, limits: Limits, name: str = 
     itl = m.histogram("inter_token_latency_seconds", "Between two tokens of one sequence", buckets=ITL_BUCKETS)
     generated = m.counter("generated_tokens", "Tokens generated")
     prompt = m.counter("prompt_tokens", "Prompt tokens admitted")
+    drafted = m.counter("speculative_drafted_tokens", "Draft tokens verified (n-gram speculation)")
+    accepted = m.counter("speculative_accepted_tokens", "Draft tokens accepted (each one a token without a pass of its own)")
+    step_rows = m.histogram("step_positions", "Positions (rows) per batching step: prompt chunks, decoded tokens "
+                            "and drafts of every sequence", buckets=STEP_ROWS_BUCKETS)
     sched.on_token = lambda kind, seconds: (ttft if kind == "ttft" else itl).observe(seconds)
-    seen = {"generated": 0, "prompt": 0}
+    sched.on_step = step_rows.observe
+    seen = {"generated": 0, "prompt": 0, "drafted": 0, "accepted": 0}
 
     def flush() -> None:
         active.set(sched.active_count)
@@ -143,6 +152,10 @@ def create_app(engine: BatchEngine, served: Served, limits: Limits, name: str = 
         generated.inc(g - seen["generated"])
         prompt.inc(p - seen["prompt"])
         seen["generated"], seen["prompt"] = g, p
+        dr, ac = sched.drafted_tokens, sched.accepted_tokens
+        drafted.inc(dr - seen["drafted"])
+        accepted.inc(ac - seen["accepted"])
+        seen["drafted"], seen["accepted"] = dr, ac
 
     m.add_flusher(flush)
     hop_metrics = HopMetrics(m)

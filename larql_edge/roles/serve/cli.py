@@ -18,6 +18,7 @@ from larql_edge.service import add_server_flags, pin_blas, serve, setup_logging,
 
 log = logging.getLogger("larql.serve")
 MAX_STEP_TOKENS = 2048
+MAX_SPEC_K = 16
 
 
 def build_parser():
@@ -50,6 +51,10 @@ def build_parser():
           help="a Jinja chat template overriding the vindex's tokenizer_config.json chat_template")
     f.add("--served-model-name", default=None, metavar="NAME[,ALIAS]",
           help="the model's name in /v1/models and in requests (default: the vindex's model name, always accepted too)")
+    f.toggle("--speculate", default=True, help="n-gram speculative decoding: drafts from each sequence's own context, "
+             "verified together in the step (same greedy tokens, same sampling distribution; k adapts per sequence, "
+             "0 while drafts keep failing)")
+    f.add("--spec-k", type=int, default=4, help=f"drafts per sequence per step at most (1..{MAX_SPEC_K})")
     f.add("--api-key", default=None, secret=True, metavar="KEY[,KEY2]",
           help="require Authorization: Bearer KEY on every route but /v1/health, /v1/ready, /metrics and "
                "/openapi.json; several keys: commas (or lines, in the file)")
@@ -76,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--prefix-cache-mb must be >= 0 (0: no prompt cache)")
     if args.step_tokens > MAX_STEP_TOKENS:  # one step's ids are one /v1/embed request (the embed server takes 4096)
         parser.error(f"--step-tokens must be at most {MAX_STEP_TOKENS}")
+    if not 1 <= args.spec_k <= MAX_SPEC_K:
+        parser.error(f"--spec-k must be between 1 and {MAX_SPEC_K}")
     pin_blas(args.blas_threads)
     from larql_edge.format.vindex import Vindex
     from larql_edge.net.remote import RemoteSettings
@@ -111,11 +118,14 @@ def main(argv: list[str] | None = None) -> int:
         return e.exit_code
 
     keys = parse_keys(args.api_key)
-    log.info("larql-serve: %s, context %d, %d active + %d queued, chat template %s; grid %s; API keys: %d; "
-             "listening on %s://%s:%d", served.model_id, context, limits.max_active, limits.max_queue,
-             "yes" if served.chat_template else "none", args.ffn, len(keys), "https" if tls.serving else "http",
-             args.host, args.port)
-    serve(lambda: create_app(engine, served, limits, api_keys=keys), args.host, args.port,
+    log.info("larql-serve: %s, context %d, %d active + %d queued, chat template %s, speculation %s; grid %s; "
+             "API keys: %d; listening on %s://%s:%d", served.model_id, context, limits.max_active, limits.max_queue,
+             "yes" if served.chat_template else "none", f"k<={args.spec_k}" if args.speculate else "off", args.ffn,
+             len(keys), "https" if tls.serving else "http", args.host, args.port)
+    from larql_edge.model.speculative import Settings
+
+    speculation = Settings(enabled=args.speculate, max_k=args.spec_k)
+    serve(lambda: create_app(engine, served, limits, api_keys=keys, speculation=speculation), args.host, args.port,
           access_log=args.access_log, drain=args.drain_seconds, tls=tls)
     return 0
 

@@ -67,6 +67,7 @@ def _bounded(schemas: dict, stats: dict) -> None:
     the context. Text is not bounded: its length in tokens is the tokenizer's (and, for messages, the
     chat template's), so a schema-valid request may still be a 400 context_length_exceeded."""
     ctx, vocab = int(stats["limits"]["context"]), int(stats["vocab_size"])
+    schemas["DetokenizeRequest"]["properties"]["tokens"]["items"]["maximum"] = vocab - 1
     for alt in schemas["CompletionRequest"]["properties"]["prompt"]["anyOf"]:
         if alt["type"] == "array" and alt["items"]["type"] == "integer":
             alt["items"]["maximum"] = vocab - 1
@@ -96,10 +97,13 @@ def openapi_spec(stats: dict | None = None) -> dict:
     paths["/detokenize"] = _simple("detokenize", "Token ids to text (content: llama.cpp's key; prompt: vLLM's)",
                                    "DetokenizeRequest", "Detokenized")
     paths.update(ops_paths("serve", ref("Ready"), ref("Stats"), "Loading"))
-    for path, ops in paths.items():  # with --api-key, every route but these needs the key
+    # With --api-key, every route but these needs the key: the document says the key is optional ({}),
+    # a deployment's (stats) says what that server does.
+    security: list[dict] = [{"apiKey": []}] if stats and stats.get("api_keys") else [{}] if stats else [{}, {"apiKey": []}]
+    for path, ops in paths.items():
         if path not in OPEN_PATHS:
             for op in ops.values():
-                op["security"] = [{"apiKey": []}]
+                op["security"] = security
                 op["responses"].setdefault("401", _err("No API key, or a wrong one (with --api-key)"))
     schemas = {
         "OpenAIError": OPENAI_ERROR,

@@ -9,6 +9,11 @@
   step's ``step_tokens`` budget (a long prompt is prefilled in chunks over several steps, so it never
   stalls the others' decoding for more than one chunk); `BatchEngine.step` runs them all as one
   stack of rows (one FFN request per layer, one logits request).
+- Speculation (`larql_edge.model.speculative`, on by default): a decoding sequence's chunk is its
+  last token plus up to k n-gram drafts (k adaptive per sequence, 0 while drafts keep failing); the
+  head returns the top candidates after each of those rows and the drafts are accepted (greedy: the
+  same tokens; sampling: the speculative-sampling rule, the same distribution), the KV cache rolled
+  back past the first rejected one. Sequences with and without drafts share one step.
 - Sampling is local, on the top ``k`` log-probabilities the head returns (k = 64, or more for
   ``top_logprobs``): greedy takes the first (exact), otherwise temperature then top-p over those k.
 - Structured output: a sequence with a grammar (`structured.Constraint`) sends its allowed-token
@@ -40,6 +45,7 @@ import numpy as np
 from larql_edge.errors import LarqlError, ServiceUnavailable, TooManyRequests
 from larql_edge.model.batch import BatchEngine, Chunk, SeqCache
 from larql_edge.model.prefix_cache import PrefixCache
+from larql_edge.model.speculative import SeqSpeculator, Settings
 
 log = logging.getLogger("larql.serve")
 
@@ -123,6 +129,7 @@ class Seq:
         self.t_submit = time.perf_counter()
         self.t_first: float | None = None
         self.t_last: float | None = None
+        self.speculator: SeqSpeculator | None = None
 
     def post(self, ev: Event) -> None:
         ev.index = self.index
@@ -201,7 +208,8 @@ def _held_back(text: str, stops: Sequence[str]) -> int:
 class Scheduler:
     def __init__(self, engine: BatchEngine, tokenizer, *, context: int, max_active: int, max_queue: int,
                  step_tokens: int = 128, eos_ids: Sequence[int] = (),
-                 on_token: Callable[[str, float], None] | None = None, prefix: PrefixCache | None = None):
+                 on_token: Callable[[str, float], None] | None = None, prefix: PrefixCache | None = None,
+                 speculation: Settings | None = None):
         self.engine, self.tok = engine, tokenizer
         self.context, self.max_active, self.max_queue = context, max_active, max_queue
         self.step_tokens = max(1, step_tokens)
@@ -219,6 +227,10 @@ class Scheduler:
         self.generated_tokens = 0
         self.prompt_tokens = 0
         self.last_step_ms = 0.0
+        self.speculation = speculation or Settings(enabled=False)
+        self.drafted_tokens = 0
+        self.accepted_tokens = 0
+        self.on_step: Callable[[int], None] = lambda rows: None  # rows (positions) of each step
 
     # -- the event loop's side ----------------------------------------------------------------------
     @property
@@ -309,6 +321,9 @@ class Scheduler:
                     if self.prefix is not None:
                         assert s.cache is not None
                         s.fed = s.cached = self.prefix.load(s.prompt, s.cache)
+                    if self.speculation.enabled and self.speculation.max_k > 0:
+                        for g in group:
+                            g.speculator = SeqSpeculator(self.speculation)
                     self.active.extend(group)
                 batch = list(self.active)
             try:
@@ -324,8 +339,10 @@ class Scheduler:
     def _step(self, batch: list[Seq]) -> None:
         chunks: list[Chunk] = []
         owners: list[Seq] = []
+        drafts: list[list[int]] = []
         decoding = [s for s in batch if s.fed == len(s.prompt)]
-        budget = max(1, self.step_tokens - len(decoding))
+        proposed = {s.id: self._drafts(s) for s in decoding}
+        budget = max(1, self.step_tokens - sum(1 + len(d) for d in proposed.values()))
         for s in batch:
             assert s.cache is not None
             if s.leader is not None and s.fed < len(s.prompt):
@@ -340,9 +357,12 @@ class Scheduler:
                 last = s.fed == len(s.prompt)
                 chunks.append(Chunk(s.cache, ids, wants_logits=last,
                                     mask=s.constraint.mask() if last and s.constraint is not None else None))
+                drafts.append([])
             else:
-                chunks.append(Chunk(s.cache, [s.generated[-1]],
+                d = proposed[s.id]
+                chunks.append(Chunk(s.cache, [s.generated[-1], *d], logit_rows=1 + len(d),
                                     mask=s.constraint.mask() if s.constraint is not None else None))
+                drafts.append(d)
             owners.append(s)
         if not chunks:
             return
@@ -350,15 +370,45 @@ class Scheduler:
         # (a smaller reply to build, send and parse for an all-greedy step).
         k = max(s.params.candidates() for s in owners)
         t0 = time.perf_counter()
-        tops = self.engine.step(chunks, k)
+        starts = [c.cache.length for c in chunks]
+        tops = self.engine.step_rows(chunks, k)
         self.last_step_ms = (time.perf_counter() - t0) * 1e3
         self.steps += 1
-        self.step_rows += sum(len(c.ids) for c in chunks)
-        for s, top in zip(owners, tops, strict=True):
-            if top is not None and not s.cancelled:
+        rows = sum(len(c.ids) for c in chunks)
+        self.step_rows += rows
+        self.on_step(rows)
+        for s, rows_top, d, start in zip(owners, tops, drafts, starts, strict=True):
+            if not rows_top or s.cancelled:
+                continue
+            if not d:
                 if not s.generated:  # the prompt is in: keep it for later prompts, hand it to the siblings
-                    self._prefilled(s, top)
-                self._accept(s, *top)
+                    self._prefilled(s, rows_top[-1])
+                self._accept(s, *rows_top[-1])
+                continue
+            self._verify(s, d, rows_top, start)
+
+    def _drafts(self, s: Seq) -> list[int]:
+        """The drafts for a decoding sequence's chunk: none without speculation, and never more than
+        it may still emit after its next token, nor than its cache holds. A sequence whose sampler
+        does more than temperature and top-p (penalties, logit_bias, top_k, min_p) or follows a
+        grammar gets none: verification reproduces exactly that sampler's distribution only."""
+        p = s.params
+        if (s.speculator is None or s.cache is None or s.constraint is not None or p.adjusts or p.top_k
+                or p.min_p > 0.0):
+            return []
+        room = min(p.max_tokens - len(s.generated) - 1, s.cache.context - s.cache.length - 1)
+        return s.speculator.propose(s.prompt + s.generated, room) if room > 0 else []
+
+    def _verify(self, s: Seq, d: list[int], rows_top: list[tuple[np.ndarray, np.ndarray]], start: int) -> None:
+        assert s.speculator is not None and s.cache is not None
+        kept, nxt = s.speculator.verify(d, rows_top, s.params.temperature, s.params.top_p, s.rng)
+        s.cache.truncate(start + 1 + kept)  # the last decided token and the kept drafts stay
+        self.drafted_tokens += len(d)
+        self.accepted_tokens += kept
+        for i, tok in enumerate([*d[:kept], nxt]):
+            if s.finished is not None:
+                return
+            self._emit(s, tok, *rows_top[i])
 
     def _prefilled(self, s: Seq, top: tuple[np.ndarray, np.ndarray]) -> None:
         assert s.cache is not None
@@ -379,7 +429,10 @@ class Scheduler:
             log.error("sequence %d: %s", s.id, s.constraint.error)
             self._finish(s, None, RuntimeError(s.constraint.error))
             return
-        tok = sample(ids, lps, s.params, s.rng, s.prompt, s.generated)
+        self._emit(s, sample(ids, lps, s.params, s.rng, s.prompt, s.generated), ids, lps)
+
+    def _emit(self, s: Seq, tok: int, ids: np.ndarray, lps: np.ndarray) -> None:
+        """Token ``tok`` joins the sequence; ``ids``/``lps``: the candidates it was chosen among."""
         now = time.perf_counter()
         if s.t_first is None:
             s.t_first = now
@@ -450,4 +503,8 @@ class Scheduler:
                 "mean_rows_per_step": round(self.step_rows / self.steps, 3) if self.steps else None,
                 "last_step_ms": round(self.last_step_ms, 3), "generated_tokens": self.generated_tokens,
                 "prompt_tokens": self.prompt_tokens,
-                "prefix_cache": None if self.prefix is None else self.prefix.stats()}
+                "prefix_cache": None if self.prefix is None else self.prefix.stats(),
+                "speculation": {**self.speculation.as_json(), "drafted_tokens": self.drafted_tokens,
+                                "accepted_tokens": self.accepted_tokens,
+                                "acceptance": round(self.accepted_tokens / self.drafted_tokens, 4)
+                                if self.drafted_tokens else None}}
