@@ -14,14 +14,19 @@
 # do. Works with the legacy builder (which builds every stage up to the target, in file order, so
 # the stages are ordered cheapest-shared first) and with BuildKit.
 ARG BASE_IMAGE=python:3.11-slim
+ARG NO_WHEELHOUSE="larql-edge: no wheelhouse/ here (the images install from it, with no network): run docker/build-images.sh first, it builds every image (then: docker compose up grid)"
 
 # ---- deps: a venv with the dependencies only, so a change of the project's code reuses it --------
 # The wheelhouse minus the project's own wheel (larql_edge-*.whl: the one wheel whose name starts
 # "la"); the dependency list comes from pyproject.toml, which changes far less often than the code.
 FROM ${BASE_IMAGE} AS deps
+ARG NO_WHEELHOUSE
 # On every layer of every stage: docker/build-images.sh prunes the dangling ones of older builds.
 LABEL org.larql-edge.build="1"
-COPY pyproject.toml wheelhouse/requirements.txt wheelhouse/[^l]*.whl wheelhouse/l[^a]*.whl /wheels/
+# Every wheelhouse path is a pattern, so that with no wheelhouse (`docker compose up` before
+# docker/build-images.sh) the build reaches the one-line message below instead of a raw COPY error.
+COPY pyproject.toml wheelhouse/requirement[s].txt wheelhouse/[^l]*.whl wheelhouse/l[^a]*.whl /wheels/
+RUN test -f /wheels/requirements.txt || { echo "$NO_WHEELHOUSE" >&2; exit 1; }
 RUN python3 -m venv /opt/larql \
  && python3 -c "import tomllib; print('\n'.join(tomllib.load(open('/wheels/pyproject.toml', 'rb'))['project']['dependencies']))" >/wheels/deps.txt \
  && /opt/larql/bin/pip install --no-index --find-links=/wheels --no-cache-dir -r /wheels/deps.txt \
@@ -31,6 +36,7 @@ RUN python3 -m venv /opt/larql \
 
 # ---- runtime: base + venv + the project + the non-root user; every role is this plus its preset ---
 FROM ${BASE_IMAGE} AS runtime
+ARG NO_WHEELHOUSE
 LABEL org.larql-edge.build="1"
 RUN groupadd --system --gid 10001 larql \
  && useradd --system --uid 10001 --gid 10001 --home-dir /home/larql --create-home --shell /usr/sbin/nologin larql \
@@ -38,7 +44,8 @@ RUN groupadd --system --gid 10001 larql \
  && chown -R larql:larql /home/larql
 COPY --from=deps /opt/larql /opt/larql
 # The project's own wheel last: a code change rebuilds from here (a small layer), not the venv.
-COPY wheelhouse/larql_edge-*.whl /tmp/larql-wheel/
+COPY pyproject.toml wheelhouse/larql_edge-*.whl /tmp/larql-wheel/
+RUN ls /tmp/larql-wheel/*.whl >/dev/null 2>&1 || { echo "$NO_WHEELHOUSE" >&2; exit 1; }
 RUN /opt/larql/bin/pip install --no-index --no-deps --no-cache-dir /tmp/larql-wheel/*.whl \
  && rm -rf /tmp/larql-wheel \
  && /opt/larql/bin/pip check \

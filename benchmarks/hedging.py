@@ -1,13 +1,13 @@
 """Hedged hops: p99 token latency with one slow replica, against no slow replica, in the same run.
 
-    python benchmarks/hedging.py [--model gemma3-270m] [--tokens 300] [--slow-ms 50] [--out benchmarks/results/hedging.txt]
+    python benchmarks/hedging.py [--model gemma3-270m] [--tokens 100] [--rounds 3] [--slow-ms 50] [--out ...]
 
 The grid (processes on loopback, 1 BLAS thread each): router, embed server, layers 0-8 on two replicas
 (each behind its own delay proxy, which it announces as its public URL, so the router and the
 clients reach it through the proxy) and layers 9-17 on one shard. The attention-only client takes
 the direct data path (shards learned from the router's /v1/topology). A "slow replica" is a proxy
 adding ``--slow-ms`` to every round trip (half each way). Scenarios, each a fresh client, greedy
-decode of ``--tokens`` tokens after a warm-up, per-token wall times:
+decode of ``--tokens`` tokens after a warm-up, per-token wall times; rounds interleave them:
 
 - no slow replica (the baseline), hedging on;
 - one replica slow from the start, hedging on and off;
@@ -72,7 +72,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="gemma3-270m")
     ap.add_argument("--vindex", default=None)
-    ap.add_argument("--tokens", type=int, default=300)
+    ap.add_argument("--tokens", type=int, default=100, help="measured decode tokens per scenario and round")
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=8)
     ap.add_argument("--slow-ms", type=float, default=50.0, help="added to every round trip to the slow replica")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "hedging.txt"))
@@ -114,7 +115,7 @@ def main() -> int:
         ids = Vindex.open(paths["client"]).load_tokenizer().encode(PROMPT).ids
         half = args.slow_ms / 2 / 1e3
 
-        def run(name: str, hedge: bool, slow: str | None, midway: bool = False) -> dict:
+        def run(hedge: bool, slow: str | None, midway: bool = False) -> dict:
             for px in proxies.values():
                 px.delay = 0.0
             model = build_remote(Vindex.open(paths["client"]), RemoteSettings(ffn=router.url, timeout=120.0, hedge=hedge))
@@ -127,29 +128,42 @@ def main() -> int:
                 preferred = min(proxies, key=lambda u: ema.get(u, float("inf")))
                 proxies[preferred].delay = half
 
+            calls0 = ffn.calls
             times, out = decode_times(model, ids, args.tokens, args.warmup, turn_slow if midway else None)
-            st = ffn.hedger.stats() if ffn.hedger is not None else {"hops": 0, "hedges_sent": 0, "hedges_won": 0}
-            hops = ffn.calls
-            r = {"name": name, "p50": pct(times, 50), "p99": pct(times, 99), "max": max(times) * 1e3,
-                 "rate": len(times) / sum(times), "sent": st["hedges_sent"], "won": st["hedges_won"], "hops": hops,
-                 "out": out}
+            st = ffn.hedger.stats() if ffn.hedger is not None else {"hedges_sent": 0, "hedges_won": 0}
             if ffn.hedger is not None:
                 ffn.hedger.close()
-            return r
+            return {"times": times, "sent": st["hedges_sent"], "won": st["hedges_won"], "hops": ffn.calls - calls0,
+                    "out": out}
 
-        base = run("no slow replica, hedging on", True, None)
-        rows = [base,
-                run("no slow replica, hedging off", False, None),
-                run(f"one replica +{args.slow_ms:g} ms from the start, hedging on", True, "first"),
-                run(f"one replica +{args.slow_ms:g} ms from the start, hedging off", False, "first"),
-                run(f"preferred replica turns +{args.slow_ms:g} ms mid-run, hedging on", True, None, midway=True),
-                run(f"preferred replica turns +{args.slow_ms:g} ms mid-run, hedging off", False, None, midway=True)]
-        for r in rows:
-            if r["out"] != base["out"]:
-                raise AssertionError(f"{r['name']}: tokens differ from the baseline's")
+        s_ms = f"{args.slow_ms:g}"
+        scenarios = [("no slow replica, hedging on", True, None, False),
+                     ("no slow replica, hedging off", False, None, False),
+                     (f"one replica +{s_ms} ms from the start, hedging on", True, "first", False),
+                     (f"one replica +{s_ms} ms from the start, hedging off", False, "first", False),
+                     (f"preferred replica turns +{s_ms} ms mid-run, hedging on", True, None, True),
+                     (f"preferred replica turns +{s_ms} ms mid-run, hedging off", False, None, True)]
+        acc: dict[str, dict] = {sc[0]: {"times": [], "sent": 0, "won": 0, "hops": 0} for sc in scenarios}
+        reference = None
+        for rnd in range(args.rounds):  # rounds interleave the scenarios: machine noise hits them alike
+            for name, hedge, slow, midway in scenarios:
+                got = run(hedge, slow, midway)
+                reference = reference or got["out"]
+                if got["out"] != reference:
+                    raise AssertionError(f"{name}: tokens differ from the first run's")
+                a = acc[name]
+                a["times"] += got["times"]
+                for k in ("sent", "won", "hops"):
+                    a[k] += got[k]
+                print(f"  (round {rnd + 1}, {name}: p99 {pct(got['times'], 99):.1f} ms, {got['sent']} hedges)",
+                      file=sys.stderr, flush=True)
+        rows = [{"name": n, "p50": pct(a["times"], 50), "p99": pct(a["times"], 99), "max": max(a["times"]) * 1e3,
+                 "rate": len(a["times"]) / sum(a["times"]), **{k: a[k] for k in ("sent", "won", "hops")}}
+                for n, a in acc.items()]
+        base = rows[0]
 
-        say(f"larql-edge hedged hops: {args.model} ({n_layers} layers), {args.tokens} decode tokens after "
-            f"{args.warmup} warm-up tokens, per-token wall time")
+        say(f"larql-edge hedged hops: {args.model} ({n_layers} layers), per scenario {args.rounds} rounds x "
+            f"{args.tokens} decode tokens (each after {args.warmup} warm-up tokens, a fresh client), per-token wall time")
         say(f"  grid on loopback: router + embed + layers {first} on 2 replicas (each behind a delay proxy) + "
             f"layers {second} on 1; the client takes the direct data path")
         say(f"  machine: {os.cpu_count()} cores (shared), every process 1 BLAS thread")

@@ -1,7 +1,8 @@
-"""WAN benchmark: decode through the grid when the client is far from it, against the local forward.
+"""WAN benchmark: decode through the grid when the client is far from it, against the local forward,
+with speculative decoding off and on.
 
     python benchmarks/wan.py [--model gemma3-270m] [--delays 0,2,10,25] [--tokens 16] [--rounds 2]
-                             [--out benchmarks/results/wan.txt]
+                             [--spec-tokens 32] [--spec-k 4] [--out benchmarks/results/wan.txt]
 
 A local grid (router + embed server + 2 FFN shards, loopback, 1 BLAS thread each, as `larql-grid
 up` starts them) with the project's delay proxy (larql_edge/tools/delay_proxy.py) between the
@@ -14,6 +15,12 @@ the client's HTTP transport (embed lookup, one walk-ffn per layer, logits), next
 single-process forward measured in the same run, and the simple model
     seconds per token = (seconds per token at 0 ms) + round trips x 2 x D
 so a reader can extrapolate to their own link.
+
+Then, at each delay, speculative decoding (`larql_edge.model.speculative`, n-gram drafts from the
+context, adaptive k) against plain decoding ("today"), on two prompt sets: INPUT-GROUNDED (extract,
+edit, summarize, continue code: the output copies from the input) and OPEN-ENDED chat. Both decode
+the same number of tokens greedily and must give the same tokens (checked); the ratio is on/off
+measured in the same run, and the round trips per token are counted on the transport.
 """
 
 from __future__ import annotations
@@ -49,6 +56,21 @@ from larql_edge.tools.grid.supervisor import Supervisor, pick_ports, role_env  #
 
 PROMPT = "The capital of France is"
 
+# Prompts whose continuation copies from the input (what n-gram drafting is for).
+GROUNDED = [
+    "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n    return a * b\n\n"
+    "def div(a, b):\n",
+    "Extract the names and cities.\nText: Alice Johnson lives in Berlin. Bob Smith lives in Paris. Carol White "
+    "lives in Rome.\nNames and cities:\n- Alice Johnson: Berlin\n-",
+    "Fix the spelling.\nInput: The quick brwn fox jumpd over the lazy dog near the river bank.\nOutput: The quick",
+]
+# Open-ended chat: little to copy.
+OPEN_ENDED = [
+    "Tell me about your favourite holiday.",
+    "Why do people enjoy music?",
+    "Write a short poem about the sea.",
+]
+
 
 class CountingTransport:
     """Counts the client's HTTP requests by path: the round trips a token costs, measured."""
@@ -67,6 +89,27 @@ class CountingTransport:
 
     def close(self) -> None:
         h1_sync.HttpClient.request = self._orig
+
+
+def timed(tokens_iter) -> tuple[float, list[int]]:
+    """(decode seconds after the first token, the tokens) of a token generator."""
+    out: list[int] = []
+    t1 = 0.0
+    for t in tokens_iter:
+        if not out:
+            t1 = time.perf_counter()
+        out.append(int(t))
+    return time.perf_counter() - t1, out
+
+
+def plain(model: Transformer, ids: list[int], tokens: int):
+    """Greedy decode of ``tokens`` tokens, one pass each (no pass after the last, as speculation)."""
+    cache = model.new_cache()
+    tok = int(np.argmax(model.next_logits(ids, cache)))
+    for i in range(tokens):
+        yield tok
+        if i + 1 < tokens:
+            tok = int(np.argmax(model.next_logits([tok], cache)))
 
 
 def decode(model: Transformer, ids: list[int], tokens: int) -> tuple[float, float, list[int]]:
@@ -102,9 +145,38 @@ def proxy_process(host: str, target_port: int, delay_ms: float, jitter_ms: float
         p.wait(10)
 
 
-def remote_args(url: str) -> RemoteSettings:
-    # direct=False: the proxy sits in front of the router; the direct path would go around it to the shards.
-    return RemoteSettings(ffn=url, timeout=120.0, retries=2, direct=False)
+def speculation(model: Transformer, tok, args, counter: CountingTransport) -> dict:
+    """Per prompt set: decode tokens/s off and on, round trips per token, drafts kept."""
+    from larql_edge.model import speculative
+
+    out = {}
+    for name, prompts in (("input-grounded", GROUNDED), ("open-ended", OPEN_ENDED)):
+        t_off = t_on = 0.0
+        n_tok = rt_off = rt_on = 0
+        stats = speculative.SpecStats()
+        for prompt in prompts:
+            ids = tok.encode(prompt).ids
+            counter.counts.clear()
+            dt, want = timed(plain(model, ids, args.spec_tokens))
+            rt_off += sum(counter.counts.values())
+            counter.counts.clear()
+            dt_on, got = timed(speculative.generate(model, ids, args.spec_tokens, stop_ids=[], max_k=args.spec_k,
+                                                    stats=stats))
+            rt_on += sum(counter.counts.values())
+            if got != want:
+                raise AssertionError(f"{name} {prompt!r}: speculation changed the tokens: {got} vs {want}")
+            t_off, t_on, n_tok = t_off + dt, t_on + dt_on, n_tok + len(want)
+        decoded = n_tok - len(prompts)  # the first token of each prompt is the prefill's
+        out[name] = {"off": decoded / t_off, "on": decoded / t_on, "rt_off": rt_off / n_tok, "rt_on": rt_on / n_tok,
+                     "drafted": stats.drafted, "accepted": stats.accepted,
+                     "tokens_per_pass": (stats.tokens - len(prompts)) / max(1, stats.passes)}
+    return out
+
+
+def remote_args(url: str, direct: bool = False) -> RemoteSettings:
+    """Through the router by default: the delay proxy sits in front of it, and the direct path would
+    send walk-ffn straight to the shards on loopback, around the delay."""
+    return RemoteSettings(ffn=url, timeout=120.0, retries=2, direct=direct)
 
 
 def main() -> int:
@@ -115,6 +187,8 @@ def main() -> int:
     ap.add_argument("--jitter-ms", type=float, default=0.0)
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--spec-tokens", type=int, default=32, help="tokens per prompt in the speculation table")
+    ap.add_argument("--spec-k", type=int, default=4, help="drafts per pass at most")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "wan.txt"))
     args = ap.parse_args()
     delays = [float(d) for d in args.delays.split(",") if d.strip()]
@@ -162,17 +236,21 @@ def main() -> int:
         say(f"  machine: {os.cpu_count()} cores (shared), every process 1 BLAS thread; grid on loopback "
             f"(router + embed + 2 shards {', '.join(str(r) for r in ranges)})")
         say(f"  the delay proxy (its own process) sits between the client and the router: D ms added each "
-            f"way (jitter {args.jitter_ms:g} ms); router <-> shards stay on loopback")
+            f"way (jitter {args.jitter_ms:g} ms); router <-> shards stay on loopback; with the proxy the client "
+            "goes through the router (the direct path would go around the proxy)")
         say("")
 
         base = [decode(local, ids, args.tokens) for _ in range(args.rounds)]
         local_rate = max(b[1] for b in base)
         reference = base[0][2]
-        direct = build_remote(Vindex.open(paths["client"]), remote_args(router.url))
-        decode(direct, ids, 2)
-        direct_rate = max(decode(direct, ids, args.tokens)[1] for _ in range(args.rounds))
+        no_proxy = {}
+        for how in ("router", "direct"):  # no proxy: the grid's own cost, through the router or the direct path
+            m = build_remote(Vindex.open(paths["client"]), remote_args(router.url, direct=how == "direct"))
+            decode(m, ids, 2)
+            no_proxy[how] = max(decode(m, ids, args.tokens)[1] for _ in range(args.rounds))
 
-        rows = []
+        rows: list[dict] = []
+        spec_rows: list[dict] = []
         for d in delays:
             with proxy_process(host, rp, d, args.jitter_ms) as proxy_url:
                 model = build_remote(Vindex.open(paths["client"]), remote_args(proxy_url))
@@ -184,6 +262,7 @@ def main() -> int:
                     if out != reference:
                         raise AssertionError(f"D={d} ms: tokens differ from the local forward: {out} vs {reference}")
                     results.append((ttft, rate, dict(counter.counts)))
+                spec_rows.append({"d": d, **speculation(model, tok, args, counter)})
             ttft = min(r[0] for r in results)
             rate = max(r[1] for r in results)
             counts = results[0][2]
@@ -197,8 +276,10 @@ def main() -> int:
             f"{'TTFT':>8} {'round trips/token':>18}")
         say(f"{'local':>8} {'-':>6} {local_rate:7.1f} t/s {1.0:8.2f}x {1e3 / local_rate:8.1f} {'':>9} "
             f"{min(b[0] for b in base) * 1e3:6.0f}ms {'0 (one process)':>18}")
-        say(f"{'direct':>8} {'-':>6} {direct_rate:7.1f} t/s {direct_rate / local_rate:8.2f}x {1e3 / direct_rate:8.1f} "
-            f"{'':>9} {'':>8} {'(no proxy: its own cost)':>18}")
+        for how, rate in no_proxy.items():
+            note = "(no proxy, via router)" if how == "router" else f"(no proxy) {rate / no_proxy['router']:.2f}x router"
+            say(f"{how:>8} {'-':>6} {rate:7.1f} t/s {rate / local_rate:8.2f}x {1e3 / rate:8.1f} "
+                f"{'':>9} {'':>8} {note:>18}")
         for r in rows:
             model_ms = f"{(t0 + r['per_token'] * 2 * r['d'] / 1e3) * 1e3:8.1f}" if t0 else "       -"
             say(f"{r['d']:6.0f}ms {2 * r['d']:4.0f}ms {r['rate']:7.1f} t/s {r['rate'] / local_rate:8.2f}x "
@@ -212,6 +293,20 @@ def main() -> int:
             "attention output, so layers cannot be batched in decode) + 1 logits")
         say("")
         say("'model' is (ms/token at 0 ms) + round trips x RTT: a far client pays every round trip of every token.")
+        say("")
+        say(f"Speculative decoding (n-gram drafts, k <= {args.spec_k} adaptive), {args.spec_tokens} greedy tokens per "
+            f"prompt, {len(GROUNDED)} prompts per set; 'off' is today's decode, measured in the same run; the tokens "
+            "are checked equal:")
+        say(f"{'one-way':>8} {'set':>15} {'off t/s':>8} {'on t/s':>8} {'on/off':>7} {'RT/tok off':>10} "
+            f"{'RT/tok on':>10} {'drafts kept':>12} {'tok/pass':>9}")
+        for r in spec_rows:
+            for name in ("input-grounded", "open-ended"):
+                x = r[name]
+                say(f"{r['d']:6.0f}ms {name:>15} {x['off']:8.2f} {x['on']:8.2f} {x['on'] / x['off']:6.2f}x "
+                    f"{x['rt_off']:10.1f} {x['rt_on']:10.1f} {x['accepted']:5d}/{x['drafted']:<6d} "
+                    f"{x['tokens_per_pass']:9.2f}")
+        say("(tokens/s over the decode after the first token, summed over the set's prompts; RT/tok: the client's "
+            "requests per generated token, prefill included)")
         say(f"(load average during the run: {' '.join(f'{x:.1f}' for x in os.getloadavg())})")
     finally:
         counter.close()

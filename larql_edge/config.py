@@ -58,6 +58,22 @@ def read_secret_file(path: str, what: str) -> str:
     return text
 
 
+def _non_negative(type: Callable[[str], Any]) -> Callable[[str], Any]:
+    """Every numeric flag is a size, count, port, time or seed: a negative one (``--hot-cache -5``)
+    is a usage error, not silently 0 rows; a float must also be finite."""
+
+    def parse(text: str) -> Any:
+        value = type(text)
+        if value != value or value in (float("inf"), float("-inf")):
+            raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+        if value < 0:
+            raise argparse.ArgumentTypeError(f"must be >= 0, got {text!r}")
+        return value
+
+    parse.__name__ = type.__name__  # argparse's "invalid int value: 'x'" names the base type
+    return parse
+
+
 class _SecretFile(argparse.Action):
     """``--x-file PATH``: read the secret now and store it where ``--x`` would."""
 
@@ -99,13 +115,22 @@ class Flags:
         secret: bool = False,
         env: str | None = None,
         required: bool = False,
+        path_twin: bool = False,
         **kw: Any,
     ) -> None:
-        """``add("--output", "-o", ...)``: the first long name gives the env twin (or ``env=``)."""
+        """``add("--output", "-o", ...)``: the first long name gives the env twin (or ``env=``).
+
+        ``path_twin``: the flag names a file (a certificate, a key) and has ``_FILE`` twins too
+        (``--x-file PATH``, ``LARQL_X_FILE``), the names Swarm and Kubernetes deployments use for
+        mounted secrets; they mean the same as ``--x``."""
         long = next(n for n in names if n.startswith("--"))
         name = env or env_name(long, self.prefix)
+        if type in (int, float):
+            type = _non_negative(type)
         value = self._env_default(name, type, default, secret)
         file_env = name + "_FILE"
+        if path_twin and value in (None, "") and os.environ.get(file_env):
+            value = os.environ[file_env]
         if secret and value in (None, "") and os.environ.get(file_env):
             try:
                 value = read_secret_file(os.environ[file_env], file_env)
@@ -114,7 +139,7 @@ class Flags:
         if required and value is not None:
             required = False  # the environment twin provides it
         shown = ("(set)" if value else "(unset)") if secret else default
-        text = f"{help} [env {name}{' or ' + file_env if secret else ''}; default: {shown}]"
+        text = f"{help} [env {name}{' or ' + file_env if secret or path_twin else ''}; default: {shown}]"
         if required:
             text = f"{help} (required) [env {name}]"
         self.parser.add_argument(*names, type=type, default=value, help=text, required=required, **kw)
@@ -122,6 +147,10 @@ class Flags:
             dest = long.lstrip("-").replace("-", "_")
             self.parser.add_argument(f"{long}-file", dest=dest, action=_SecretFile, metavar="PATH",
                                      help=f"read {long} from this file (a mounted secret) [env {file_env}]")
+        elif path_twin:
+            dest = long.lstrip("-").replace("-", "_")
+            self.parser.add_argument(f"{long}-file", dest=dest, metavar="PATH", default=argparse.SUPPRESS,
+                                     help=f"the same as {long} [env {file_env}]")
 
     def switch(self, *names: str, help: str = "", env: str | None = None) -> None:
         long = next(n for n in names if n.startswith("--"))

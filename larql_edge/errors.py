@@ -243,6 +243,12 @@ class TimedOut(TransportError):
     status, kind = 504, "timed_out"
 
 
+class MemberSilent(TimedOut):
+    """A member stopped heartbeating while a request to it was in flight (SIGSTOP, a hung host)."""
+
+    kind = "member_silent"
+
+
 class ConnectionLost(TransportError):
     kind = "connection_lost"
 

@@ -32,6 +32,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import tomllib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -63,6 +64,15 @@ class Scenario:
     min_rps: float
     p99_ms: dict[str, float]
     min_hit_ratio: float | None = None
+
+
+_T0 = time.monotonic()
+
+
+def say(message: str) -> None:
+    """A progress line on stderr, flushed: starting servers and a run take tens of seconds to
+    minutes, which silent (as CI shows it, not a terminal) look like a hang."""
+    print(f"[loadtests {time.monotonic() - _T0:6.1f}s] {message}", file=sys.stderr, flush=True)
 
 
 def load_scenarios(path: Path = SCENARIOS) -> dict[str, Scenario]:
@@ -158,18 +168,23 @@ def running_stack(needs: list[str], *, vindex: Path | None, given: dict[str, str
 
         router = None
         if "router" in to_start:
+            say("starting larql-router")
             router = start("router", "larql-router", "--heartbeat-interval", "1")
             router.wait_ready(60)
             stack.urls["router"], stack.pids["router"] = router.url, router.pid
         join = ["--join", router.url] if router else []
         if "embed" in to_start:
+            say(f"starting larql-embed on {vx}")
             embed = start("embed", "larql-embed", str(vx), "--blas-threads", "1", "--hot-cache", "5000", *join)
             embed.wait_ready(ready_timeout)
+            say("larql-embed ready")
             stack.urls["embed"], stack.pids["embed"] = embed.url, embed.pid
         if "ffn" in to_start:
             for layers in layer_split(num_layers(vx)):
+                say(f"starting larql-ffn, layers {layers}")
                 shard = start(f"ffn-{layers}", "larql-ffn", str(vx), "--layers", layers, "--blas-threads", "1", *join)
                 shard.wait_ready(ready_timeout)
+                say(f"larql-ffn {layers} ready")
                 stack.pids[f"ffn {layers}"] = shard.pid
                 stack.urls.setdefault("ffn", shard.url)
         if router is not None:
@@ -177,9 +192,11 @@ def running_stack(needs: list[str], *, vindex: Path | None, given: dict[str, str
         if "edge" in to_start:
             if "embed" not in stack.urls:
                 raise SetupError("the edge needs an embed server (--embed URL)")
+            say(f"starting the {edge_kind} edge cache")
             edge = es.enter_context(running_edge(edge_kind, [stack.urls["embed"]]))
             stack.urls["edge"], stack.pids[f"edge ({edge_kind})"] = edge.url, edge.proc.pid
         if "serve" in to_start:
+            say("starting larql-serve")
             s = start("serve", "larql-serve", env={"LARQL_VINDEX": str(vx), "LARQL_FFN": stack.urls["router"],
                                                    "LARQL_EMBED": stack.urls.get("embed", "")})
             s.wait_ready(ready_timeout)
@@ -251,9 +268,24 @@ def run_locust(scenario: Scenario, stack: Stack, seconds: float, out: Path, *, p
             "--html", str(html), "--only-summary", "--loglevel", "WARNING",
             *(["--host", host] if host else []), *scenario.users]
     log = out / f"{prefix}.log"
+    say(f"locust: {n} users for {int(seconds)}s (log {log})")
     with open(log, "w") as fh:
-        proc = subprocess.run(argv, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=ROOT, stdin=subprocess.DEVNULL,
-                              timeout=seconds + 180)
+        proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=ROOT, stdin=subprocess.DEVNULL)
+        try:
+            t0, every = time.monotonic(), min(10.0, max(1.0, seconds / 3))
+            while True:
+                try:
+                    proc.wait(timeout=every)
+                    break
+                except subprocess.TimeoutExpired:
+                    if time.monotonic() - t0 > seconds + 180:
+                        raise
+                    say(f"locust: {time.monotonic() - t0:.0f}s of {int(seconds)}s")
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    say(f"locust: done (exit {proc.returncode})")
     return {"returncode": proc.returncode, "csv": Path(f"{csv_prefix}_stats.csv"), "html": html, "log": log,
             "summary": json.loads(summary.read_text()) if summary.exists() else {}}
 
@@ -352,6 +384,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with running_stack(sc.needs, vindex=args.vindex, given={k: v for k, v in given.items() if v},
                            edge_kind=args.edge_kind, logdir=out / "servers") as stack:
+            say("warming up")
             warm_up(stack)
             result = run_locust(sc, stack, args.duration, out)
         stats = read_stats(result["csv"])

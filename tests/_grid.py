@@ -62,13 +62,13 @@ class Procs:
 
 
 def wait_grid(router_url: str, *, complete: bool = True, embed: int = 0, members: int | None = None,
-              timeout: float = 30.0) -> dict:
+              timeout: float = 30.0, verify=True) -> dict:
     """Poll GET /v1/grid until it has full coverage / the embed members / the member count asked."""
     deadline = time.monotonic() + timeout
     view: dict = {}
     while time.monotonic() < deadline:
         try:
-            view = httpx.get(router_url + "/v1/grid", timeout=2.0).json()
+            view = httpx.get(router_url + "/v1/grid", timeout=2.0, verify=verify).json()
             if ((not complete or view["complete"]) and view["embed"] >= embed
                     and (members is None or len(view["members"]) == members)):
                 return view

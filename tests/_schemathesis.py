@@ -7,7 +7,10 @@ Two settings are ours, and both are about statuses, never about which checks run
 - 413 is a rejection of invalid data (schemathesis's default list omits it; our servers answer 413
   for more items than a published limit, as DESIGN.md says);
 - on ``POST /v1/walk-ffn`` a schema-valid request may be 413: its JSON text counts against
-  ``max_body_bytes``, which no JSON Schema keyword can state (the rows bound, ``max_rows``, is stated).
+  ``max_body_bytes``, which no JSON Schema keyword can state (the rows bound, ``max_rows``, is stated);
+- on larql-serve's ``POST /v1/completions`` and ``/v1/chat/completions`` a schema-valid request may
+  be 400 (context_length_exceeded): text, as the tokenizer and the chat template make it tokens, must
+  fit the context, which no JSON Schema keyword can state either.
 
 Link inference is off (the stateful phase then runs the links a document declares: none yet).
 """
@@ -45,7 +48,10 @@ def config(url: str, max_examples: int, seed: int) -> SchemathesisConfig:
         "checks": {"negative_data_rejection": {"expected-statuses": [*REJECTIONS, "413"]}},
         "phases": {"stateful": {"inference": {"algorithms": []}}},
         "operations": [{"include-path": "/v1/walk-ffn",
-                        "checks": {"positive_data_acceptance": {"expected-statuses": [*ACCEPTANCES, "413"]}}}],
+                        "checks": {"positive_data_acceptance": {"expected-statuses": [*ACCEPTANCES, "413"]}}},
+                       *({"include-path": path,
+                          "checks": {"positive_data_acceptance": {"expected-statuses": [*ACCEPTANCES, "400"]}}}
+                         for path in ("/v1/completions", "/v1/chat/completions"))],
     })
     cfg.update(seed=seed, max_failures=None)
     cfg.output.sanitization.update(enabled=False)  # show token_ids and other "secret-looking" names

@@ -69,6 +69,7 @@ def test_compact_backend_matches_the_reference(tiny_models, family):
     np.testing.assert_allclose(got, reference_logits(tiny_models[f"{family}-hf"], IDS), atol=1e-4, rtol=0)
 
 
+@pytest.mark.slow  # tens of seconds in-process (tests/conftest.py: the tiers)
 def test_compact_backend_keeps_f16_and_blocks_as_stored(tmp_path):
     """An f16 memory map and quantized blocks are multiplied in place: the backend's matrix shares the
     bytes it was given (no float32 copy), and its products agree with the dequantized reference."""

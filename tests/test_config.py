@@ -4,6 +4,8 @@ have file twins and never show, and a twin holding garbage is a one-line usage e
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 
 import pytest
 
@@ -16,15 +18,17 @@ CLIS = {
     "larql-router": "larql_edge.roles.router.cli",
     "larql": "larql_edge.roles.client.cli",
     "larql-grid": "larql_edge.tools.grid.cli",
+    "larql-serve": "larql_edge.roles.serve.cli",
+    "larql-delay-proxy": "larql_edge.tools.delay_proxy",
 }
 
 
-def _parsers(p: argparse.ArgumentParser, name: str):
-    yield name, p
+def _parsers(p: argparse.ArgumentParser, name: str, path: tuple[str, ...] = ()):
+    yield name, p, path
     for action in p._actions:
         if isinstance(action, argparse._SubParsersAction):
             for sub, sp in action.choices.items():
-                yield from _parsers(sp, f"{name} {sub}")
+                yield from _parsers(sp, f"{name} {sub}", (*path, sub))
 
 
 @pytest.mark.parametrize("cli", sorted(CLIS))
@@ -33,7 +37,7 @@ def test_every_flag_has_an_env_twin(cli):
 
     parser = importlib.import_module(CLIS[cli]).build_parser()
     seen = 0
-    for name, p in _parsers(parser, cli):
+    for name, p, _ in _parsers(parser, cli):
         for action in p._actions:
             if not action.option_strings or isinstance(action, argparse._HelpAction):
                 continue
@@ -66,3 +70,36 @@ def test_slicer_flags_take_their_twins(monkeypatch, tiny_models, tmp_path):
     r = run_cli(main, "slice", str(tiny_models["gemma3"]))
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "from-env" / "attn_weights.bin").is_file()
+
+
+def _numeric_flags():
+    import importlib
+
+    for cli in sorted(CLIS):
+        parser = importlib.import_module(CLIS[cli]).build_parser()
+        for name, p, path in _parsers(parser, cli):
+            for action in p._actions:
+                if action.option_strings and getattr(action.type, "__name__", "") in ("int", "float"):
+                    yield cli, parser, path, max(action.option_strings, key=len), name
+
+
+def test_every_numeric_flag_refuses_a_negative_value(monkeypatch):
+    """``--hot-cache -5`` was accepted as 0 rows: every size, count, port and time of every CLI is
+    refused when negative (flag or twin) with one usage line, the refusal living in `Flags`."""
+    from larql_edge.config import env_name
+
+    flags = list(_numeric_flags())
+    assert len(flags) >= 30 and any(f[3] == "--hot-cache" for f in flags)
+    for _cli, parser, path, flag, name in flags:
+        for value in ("-5", "-0.5", "nan"):
+            err = io.StringIO()
+            with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as e:
+                parser.parse_args([*path, f"{flag}={value}"])
+            assert e.value.code == 2, f"{name} {flag}={value} accepted"
+            last = err.getvalue().strip().splitlines()[-1]
+            assert flag in last and (">= 0" in last or "finite" in last or "invalid" in last), f"{name}: {last}"
+    monkeypatch.setenv(env_name("--hot-cache"), "-5")
+    from larql_edge.roles.embed.cli import main
+
+    r = run_cli(main, "x.vindex")
+    assert r.returncode == 2 and "LARQL_HOT_CACHE='-5': must be >= 0" in r.stderr and "Traceback" not in r.stderr

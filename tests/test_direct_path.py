@@ -255,8 +255,7 @@ def test_serve_takes_the_direct_path_and_exports_the_time_split(grid):
     vx = Vindex.open(grid["vindex"])
     engine = remote_engine(vx, RemoteSettings(ffn=grid["router"].url, timeout=30, retries=1))
     with ServerThread(create_app(engine, served_model(vx, vx.load_tokenizer(), 64, None), Limits(context=64))) as s:
-        r = httpx.post(s.url + "/v1/completions", json={"prompt": [1, 5, 9], "max_tokens": 6, "temperature": 0,
-                                                         "ignore_eos": True}, timeout=60)
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": [1, 5, 9], "max_tokens": 6, "temperature": 0}, timeout=60)
         assert r.status_code == 200, r.text
         stats = httpx.get(s.url + "/v1/stats").json()
         text = httpx.get(s.url + "/metrics").text
@@ -269,3 +268,85 @@ def test_serve_takes_the_direct_path_and_exports_the_time_split(grid):
     shard_urls = {x.url for xs in grid["shards"].values() for x in xs}
     assert engine.ffn.path.topology is not None and {t.url for t in engine.ffn.path.topology.shards} == shard_urls
     # Exactness through serve on this path: test_serve.py (its grid is a router, so the direct path is in use).
+
+
+def test_several_routers_and_none_at_all_keep_the_direct_path_going(tiny_models):
+    """Members join two routers; the client lists both. Stopping the first, then the second, mid-
+    generation: the topology comes from the one left, and with none left the client keeps the last
+    topology it had (the data path never needed a router): the output is unchanged."""
+    v = tiny_models["gemma3"]
+    local = list(Transformer.local(v).generate(IDS, 12, stop_ids=[]))
+    with inproc.router() as r1, inproc.router() as r2, inproc.embed({"m": v}, join=[r1.url, r2.url]) as e, \
+            inproc.shard(v, "0-0", join=[r1.url, r2.url]), inproc.shard(v, "1-1", join=[r1.url, r2.url]):
+        inproc.wait_ready(e)
+        for r in (r1, r2):
+            wait_grid(r.url, embed=1, members=3)
+        hops = HopLog()
+        remote = build_remote(Vindex.open(v), remote_args(ffn=f"{r1.url},{r2.url}", hedge=False, retries=2), hops)
+        out = []
+        for i, tok in enumerate(remote.generate(IDS, 12, stop_ids=[])):
+            out.append(tok)
+            if i == 3:
+                r1.stop()
+            if i == 7:
+                r2.stop()
+        assert out == local
+        seen = {h.url for h in hops.drain() if h.tier != "topology"}
+        assert r1.url not in seen and r2.url not in seen
+
+
+def _shard_behind(vindex, layers: str, router_url: str, stack):
+    """An in-process shard that announces a delay proxy in front of it as its public URL."""
+    import dataclasses
+
+    from larql_edge.format.layers import LayerRange
+    from larql_edge.roles.ffn.app import create_app
+    from larql_edge.roles.ffn.shard import Shard
+    from larql_edge.service.membership import install_membership
+    from larql_edge.testing.servers import ServerThread
+    from larql_edge.tools.delay_proxy import DelayProxy
+    from larql_edge.tools.grid.supervisor import free_port
+
+    s = Shard(vindex, LayerRange.parse(layers))
+    app = create_app(s)
+    port, pport = free_port(), free_port()
+    proxy = stack.enter_context(DelayProxy(("127.0.0.1", pport), ("127.0.0.1", port)).running())
+    settings = dataclasses.replace(inproc.grid_settings(router_url, port), public_url=proxy.url)
+    install_membership(app, settings, "ffn", lambda: s.describe(app.ctx.compute.inflight))
+    stack.enter_context(ServerThread(app, port=port))
+    return proxy
+
+
+def test_a_replica_that_turns_slow_is_hedged_and_then_avoided(tiny_models):
+    """Two replicas of every layer, each behind a delay proxy. After a warm-up (the threshold is
+    learned), the replica the client prefers turns slow (+400 ms a round trip): its next hop is hedged
+    to the other replica, which wins; the client then prefers the fast one, so hedges stay few. The
+    output is the local forward's."""
+    import contextlib
+
+    v = tiny_models["gemma3"]
+    local = list(Transformer.local(v).generate(IDS, 40, stop_ids=[]))
+    with contextlib.ExitStack() as stack:
+        r = stack.enter_context(inproc.router(heartbeat=1.0))
+        e = stack.enter_context(inproc.embed({"m": v}, join=r.url))
+        proxies = {p.url: p for p in (_shard_behind(v, "0-1", r.url, stack), _shard_behind(v, "0-1", r.url, stack))}
+        inproc.wait_ready(e)
+        wait_grid(r.url, embed=1, members=3)
+        hops = HopLog()
+        remote = build_remote(Vindex.open(v), remote_args(ffn=r.url, retries=2), hops)
+        ffn = remote.ffn_provider
+        out = []
+        for i, tok in enumerate(remote.generate(IDS, 40, stop_ids=[])):
+            out.append(tok)
+            if i == 19:  # 40 hops of one row seen: the threshold is learned
+                assert ffn.hedger.threshold(1) is not None
+                sent0, won0 = ffn.hedger.sent, ffn.hedger.won  # a loaded machine may have hedged a hop already
+                preferred = min(proxies, key=lambda u: ffn.path.ema.get(u, float("inf")))
+                proxies[preferred].delay = 0.2
+                hops.drain()
+        assert out == local
+        assert ffn.hedger.won - won0 >= 1 and 1 <= ffn.hedger.sent - sent0 <= 4, ffn.hedger.stats()
+        later = [h for h in hops.drain() if h.tier == "ffn"]
+        assert any(h.hedged for h in later)
+        assert sum(h.url == preferred for h in later) <= 4  # after the hedge, the slow one is left alone
+        ffn.hedger.close()

@@ -270,6 +270,57 @@ def test_concurrent_logits_share_a_product(srv, ref):
     assert after["largest_batch"] > 1
 
 
+def test_logits_rows_with_token_masks(srv, ref):
+    """Structured output's form: ``?rows=N&masked=i,j`` appends a bitmask per listed row, applied before top-k."""
+    from larql_edge.wire import embed as ew
+
+    vocab = ref["gemma"]["spec"].vocab_size
+    xs = np.stack([_residual(200 + i) for i in range(3)])
+    want = ref["gemma"]["head"].logits(xs)
+    rng = np.random.default_rng(5)
+    allowed = rng.random((2, vocab)) < 0.1
+    allowed[1, :] = False
+    allowed[1, [7, 11, 13]] = True  # fewer allowed tokens than top_k: fewer answered
+    bits = np.zeros((2, ew.mask_words(vocab)), dtype=np.uint32)
+    for r in range(2):
+        for t in np.nonzero(allowed[r])[0]:
+            bits[r, t >> 5] |= np.uint32(1 << (t & 31))
+    np.testing.assert_array_equal(ew.allowed_tokens(bits, vocab), allowed)
+    body = ew.encode_logits_masked_rows_request(xs, bits)
+    r = srv.client.post("/v1/gemma/logits?rows=3&top_k=5&masked=0,2", content=body, headers={"content-type": BIN})
+    assert r.status_code == 200, r.text
+    rows = r.json()["rows"]
+    unmasked = srv.client.post("/v1/gemma/logits?rows=3&top_k=5", content=ew.encode_logits_rows_request(xs),
+                               headers={"content-type": BIN}).json()["rows"]
+    assert rows[1] == unmasked[1]  # the row without a mask is untouched
+    for got, row, ok in ((rows[0], want[0], allowed[0]), (rows[2], want[2], allowed[1])):
+        masked_row = np.where(ok, row, -np.inf)
+        lp = ops.log_softmax(masked_row.astype(np.float64))
+        expect = [int(i) for i in np.argsort(-masked_row, kind="stable")[: min(5, int(ok.sum()))]]
+        assert [t["token_id"] for t in got] == expect
+        for t in got:
+            assert abs(t["logprob"] - lp[t["token_id"]]) < 1e-4  # renormalised over the allowed tokens
+    assert len(rows[2]) == 3
+    raw = srv.client.post("/v1/gemma/logits?rows=3&masked=0,2", content=body, headers={"content-type": BIN, "accept": BIN})
+    got = np.frombuffer(raw.content, "<f4").reshape(3, vocab)
+    assert np.all(np.isneginf(got[0][~allowed[0]])) and np.all(np.isfinite(got[0][allowed[0]]))
+    np.testing.assert_allclose(got[1], want[1], atol=1e-4, rtol=1e-5)
+    # every mistake is a 400 naming it
+    nothing = bits.copy()
+    nothing[1] = 0
+    cases = [("rows=3&masked=0,2", ew.encode_logits_masked_rows_request(xs, nothing), "allows no token"),
+             ("rows=3&masked=0,2", body[:-4], "token masks"),
+             ("rows=3&masked=2,0", body, "ascending"),
+             ("rows=3&masked=0,0", body, "ascending"),
+             ("rows=3&masked=3", body, "masked"),
+             ("rows=3&masked=", body, "masked"),
+             ("rows=3&masked=a", body, "masked"),
+             ("masked=0", xs[0].tobytes(), "rows=N")]
+    for query, content, words in cases:
+        assert words in _err(srv.client.post(f"/v1/gemma/logits?{query}", content=content, headers={"content-type": BIN}), 400)
+    assert "binary" in _err(srv.client.post("/v1/gemma/logits?masked=0", json={"residuals": xs.tolist()}), 400)
+
+
 # -- tokenizer ---------------------------------------------------------------------------------------
 
 

@@ -273,3 +273,15 @@ def test_an_unreadable_tokenizer_config_is_a_vindex_error(tiny_models, tmp_path)
     (copy / "tokenizer_config.json").write_text("[1, 2")
     with pytest.raises(VindexError, match="tokenizer_config.json: unreadable"):
         Vindex.open(copy).tokenizer_config()
+
+
+def test_progress_is_a_line_per_stage_when_not_a_terminal(tiny_models, tmp_path, capsys):
+    """`larql-grid up` prepared the model for ~55 s with nothing shown when its output was a pipe or a
+    log file: tqdm's carriage-return bars only land at the end there. Off a terminal, each stage is a
+    line of its own, as it starts."""
+    lines: list[str] = []
+    extract(str(tiny_models["gemma3-hf"]), tmp_path / "v", progress=True, log=lines.append)
+    stages = [line for line in lines if line.lstrip().startswith("[")]
+    assert len(stages) >= 5, lines
+    assert any("embeddings" in s for s in stages) and any("gate" in s for s in stages)
+    assert "\r" not in capsys.readouterr().err  # no bar drawn into the pipe

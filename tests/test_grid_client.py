@@ -169,3 +169,53 @@ def test_a_larql_embed_server_that_answers_top_k_json_only(tiny_models):
         top8 = set(np.argsort(-local.next_logits(IDS[:4]))[:8].tolist())
         sampled = {next(remote.generate(IDS[:4], 1, temperature=8.0, seed=s, stop_ids=[])) for s in range(24)}
         assert sampled <= top8 and len(sampled) > 1
+
+
+def test_generate_against_a_grid_that_is_not_up_fails_at_once_on_its_own_line(tiny_models):
+    """`larql generate` against an unreachable grid retried silently for 16 s, then printed its error
+    glued to the echoed prompt (`...hilarql generate: error: ...`). Nothing listening at the start is
+    an error at once (no retry lines), and the prompt's line is ended before the error."""
+    from tests._grid import free_port
+
+    url = f"http://127.0.0.1:{free_port()}"
+    r = larql("generate", "--vindex", str(tiny_models["llama"]), "--ffn", url, "--prompt", PROMPT,
+              "--max-tokens", "4")
+    assert r.returncode == 1
+    assert r.stdout == PROMPT + "\n"
+    assert "nothing answers at " + url in r.stderr and "is it running?" in r.stderr, r.stderr
+    assert "retrying" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_every_retry_wait_is_a_progress_line():
+    """Retries against a failing replica (the default budget spans ~15 s) each say so, bounded."""
+    import http.server
+    import threading
+
+    from larql_edge.net.remote import Replicas, make_client
+
+    class Busy(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = b'{"error": "warming up"}'
+            self.send_response(503)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *a):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Busy)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        lines: list[str] = []
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        reps = Replicas(make_client(5.0), retries=3, backoff=0.01, what="FFN", on_retry=lines.append,
+                        refused_first_is_fatal=True)
+        with pytest.raises(RemoteError, match="after 4 attempts"):
+            reps.request([url], "GET", "/v1/health")
+        assert len(lines) == 3 and all("HTTP 503 warming up; retrying in" in line for line in lines), lines
+        assert lines[-1].endswith("(attempt 4 of 4)")
+    finally:
+        server.shutdown()
+        server.server_close()

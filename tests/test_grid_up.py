@@ -60,13 +60,14 @@ def _gone(pid: int) -> bool:
         return True
 
 
-def _up_generate_stop(argv: list[str], local_vindex, n_pids: int, ranges: list[str], tmp_path, timeout: float) -> None:
+def _up_generate_stop(argv: list[str], local_vindex, n_pids: int, ranges: list[str], tmp_path, timeout: float,
+                      env: dict | None = None) -> None:
     """Start `larql-grid up`, run the command it prints, compare with the local forward on
     ``local_vindex``, then Ctrl-C and check every process it started is gone."""
     ports = [free_port() for _ in range(3)]
     argv = [*argv, "--router-port", str(ports[0]), "--embed-port", str(ports[1]), "--ffn-port", str(ports[2]),
             "--log-dir", str(tmp_path / "logs")]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=server_env(),
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env or server_env(),
                             start_new_session=True, stdin=subprocess.DEVNULL)
     try:
         q = _lines(proc)
@@ -74,6 +75,8 @@ def _up_generate_stop(argv: list[str], local_vindex, n_pids: int, ranges: list[s
         pids = [int(p) for p in re.findall(r"pid (\d+)", text)]
         assert len(pids) == n_pids, text
         assert all(f"layers {r}" in text for r in ranges), text
+        # A line as each role becomes ready: the wait is never silent, also into a pipe.
+        assert "router ready (" in text and "embed ready (" in text, text
         cmd = next(line.strip() for line in text.splitlines() if line.strip().startswith("larql generate"))
         args = shlex.split(cmd)[1:]
         args[args.index("--max-tokens") + 1] = "4"
@@ -109,6 +112,18 @@ def test_grid_up_serves_and_ctrl_c_stops_everything(tiny_models, tmp_path):
     _up_generate_stop(argv, tiny_models["llama"], 1 + 1 + 4, ["0-0", "1-1"], tmp_path, timeout=180)  # 2 ranges x 2
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.multiprocess
+def test_grid_up_starts_its_own_installations_roles_without_path(tiny_models, tmp_path):
+    """Issue #19: the roles were started by name from PATH: without the venv on PATH the grid failed, and
+    on the probe machine it started another installation's larql-router. Here PATH holds none of them."""
+    import sys
+
+    env = server_env(PATH="/usr/bin:/bin")
+    argv = [sys.executable, "-m", "larql_edge.tools.grid.cli", "up", "--vindex", str(tiny_models["llama"]), "--shards", "2"]
+    _up_generate_stop(argv, tiny_models["llama"], 1 + 1 + 2, ["0-0", "1-1"], tmp_path, timeout=180, env=env)
+
+
 @pytest.mark.timeout(1200)
 @pytest.mark.multiprocess
 @pytest.mark.real_model
@@ -124,3 +139,22 @@ def test_grid_up_rejects_bad_counts(tiny_models):
 
     r = run_cli(main, "up", "--vindex", str(tiny_models["llama"]), "--shards", "5")
     assert r.returncode == 1 and "cannot split 2 layers into 5 shards" in r.stderr
+
+
+def test_commands_are_named_by_path_when_the_venv_is_not_on_path(tmp_path, monkeypatch):
+    """`.venv/bin/larql-grid up` (the venv not activated) started `larql-embed` by name, which PATH
+    does not find, and printed a `larql generate` the shell cannot run: both name the venv's bin/."""
+    from larql_edge.tools.grid.cli import console_script
+
+    bin_dir = tmp_path / ".venv" / "bin"
+    bin_dir.mkdir(parents=True)
+    for name in ("python", "larql", "larql-embed"):
+        (bin_dir / name).write_text("#!/bin/sh\n")
+        (bin_dir / name).chmod(0o755)
+    monkeypatch.setattr("sys.executable", str(bin_dir / "python"))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    assert console_script("larql") == ".venv/bin/larql"
+    assert console_script("larql-embed") == ".venv/bin/larql-embed"
+    monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")  # activated: by name, as the README shows
+    assert console_script("larql") == "larql"

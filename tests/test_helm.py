@@ -394,6 +394,7 @@ def test_hub_pull_puts_each_roles_preset_in_a_volume_before_it_starts(rendered):
         assert init["args"] == ["pull", "example-org/gemma3-270m-vindex", "--preset", presets[role],
                                 "-o", "/models/vindex", "--revision", "main"]
         assert env_of(init)["LARQL_HF_TOKEN_FILE"] == "/var/run/secrets/larql/hf-token/token"
+        assert env_of(init)["LARQL_MIRROR"] == "http://hub-mirror.larql.svc:8090"  # pulls through the edge
         main = spec["containers"][0]
         assert env_of(main)["LARQL_VINDEX"] == "/models/vindex"
         assert {"name": "vindex", "mountPath": "/models", "readOnly": True} in main["volumeMounts"]

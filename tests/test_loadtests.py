@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import ast
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -105,6 +106,11 @@ def test_a_missed_bound_exits_nonzero(tiny_models, tmp_path):
     r = subprocess.run([sys.executable, str(RUN), "strict", "--scenarios", str(strict), "-d", "5s", "--vindex",
                         str(tiny_models["gemma3"]), "--out", str(out)], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert r.returncode == 1, r.stdout + r.stderr
+    # Never silent for long (starting servers and the run itself took 50-114 s with no output):
+    # a line per stage and every few seconds of the run, on stderr even though it is not a terminal.
+    for line in ("starting larql-embed", "larql-embed ready", "warming up", "locust: 2 users for 5s", "locust: done"):
+        assert line in r.stderr, r.stderr
+    assert re.search(r"locust: \d+s of 5s", r.stderr), r.stderr
     verdict = json.loads((out / "verdict.json").read_text())
     assert verdict["passed"] is False
     assert any(c.startswith("FAIL") and "p99" in c for c in verdict["checks"])

@@ -86,6 +86,7 @@ def _deployment(grid, role: str) -> dict:
     return {"stats": get("router", "/v1/stats"), "shard": get("ffn", "/v1/stats"), "embed": embed}
 
 
+@pytest.mark.slow  # tens of seconds in-process (tests/conftest.py: the tiers)
 @pytest.mark.parametrize("role", ["embed", "ffn", "router"])
 def test_schemathesis_finds_no_failure(grid, role):
     """Every check of schemathesis, every phase, against the document narrowed to this deployment

@@ -31,7 +31,8 @@ def tokenizer(tiny_models):
 
 def _serve(vx_path, router_url: str, limits: Limits) -> ServerThread:
     vx = Vindex.open(vx_path)
-    engine = remote_engine(vx, RemoteSettings(ffn=router_url, timeout=30, retries=1))
+    # generous: on a loaded host a step that times out ends every sequence of the batch (freeing slots)
+    engine = remote_engine(vx, RemoteSettings(ffn=router_url, timeout=300, retries=3))
     served = served_model(vx, vx.load_tokenizer(), limits.context, None)
     served.eos_ids = ()  # sequences run to max_tokens: they hold their slots as long as a test needs
     return ServerThread(create_app(engine, served, limits))
@@ -63,6 +64,11 @@ class HealthPoller:
     @property
     def worst(self) -> float:
         return max(self.times)
+
+    @property
+    def p90(self) -> float:
+        t = sorted(self.times)
+        return t[int(0.9 * (len(t) - 1))]
 
 
 def _encode_seconds(tokenizer, text: str) -> float:
@@ -124,18 +130,36 @@ def test_a_prompt_longer_than_the_context_can_hold_is_refused_untokenized(tiny_m
 
 def test_the_embed_server_tokenizes_off_its_event_loop(tiny_models, tokenizer):
     """Eight clients encoding 100,000 characters each held the embed server's loop (health p99 1.5 s):
-    the tokenizer ran in the handler. Health now answers while they encode."""
+    the tokenizer ran in the handler, on the loop. The real tokenizer is wrapped to record the thread
+    each call runs on: never the event loop's now (timing on a loaded host is benchmarks' business:
+    benchmarks/largest_request.py, embed health p99 2,123 ms -> 160 ms with 8 clients)."""
     text = "the capital of france is paris. " * 3_125  # 100,000 characters: the published limit
-    baseline = _encode_seconds(tokenizer, text)
+
+    class Recording:
+        def __init__(self, inner):
+            self.inner, self.threads = inner, set()
+
+        def __getattr__(self, name):
+            attr = getattr(self.inner, name)
+            if name.startswith("encode"):
+                def call(*a, **kw):
+                    self.threads.add(threading.current_thread().name)
+                    return attr(*a, **kw)
+                return call
+            return attr
+
     with _inproc.embed({"gemma": tiny_models["gemma3"]}) as srv:
         _inproc.wait_ready(srv)
-        with HealthPoller(srv.url) as health, ThreadPoolExecutor(8) as ex:
+        model = srv.app.ctx.registry.models["gemma"]
+        model._tokenizer = rec = Recording(model.tokenizer)
+        loop_thread = httpx.post(srv.url + "/v1/token/encode", json={"text": "x"}, timeout=60) and srv._thread.name
+        with ThreadPoolExecutor(8) as ex:
             replies = list(ex.map(lambda _: httpx.post(srv.url + "/v1/token/encode", json={"text": text}, timeout=120),
-                                  range(16)))
+                                  range(8)))
+        replies.append(httpx.get(srv.url + "/v1/token/encode", params={"text": "paris"}, timeout=60))
         assert all(r.status_code == 200 for r in replies)
         assert replies[0].json()["token_ids"] == tokenizer.encode(text, add_special_tokens=False).ids
-        # 16 encodes queue in one compute thread; on the loop, a health check waited for several of them
-        assert health.worst < 2 * baseline, (health.worst, baseline)
+        assert rec.threads and loop_thread not in rec.threads, (rec.threads, loop_thread)
 
 
 # -- Medium: a lone surrogate was a 500 (and, through the router, an embed-server failure) ------------
@@ -374,3 +398,57 @@ def test_a_deeply_nested_index_is_a_clear_error(tiny_models, tmp_path):
         Vindex.open(v)
     r = slicer("verify", str(v))
     assert r.returncode != 0 and "Traceback" not in r.stderr
+
+
+def test_an_embed_server_whose_model_cannot_load_is_not_alive(tiny_models, tmp_path):
+    """On a permanent load failure the embed server stayed 'not ready' forever while /v1/health said
+    ok, so nothing restarted it. /v1/health now answers 503 with the reason."""
+    import shutil
+
+    v = tmp_path / "broken.vindex"
+    shutil.copytree(tiny_models["gemma3"], v)
+    with open(v / "embeddings.bin", "r+b") as f:  # truncated: fits no shape index.json states
+        f.truncate(1000)
+    with _inproc.embed({"gemma": v}) as srv:
+        deadline = time.monotonic() + 60
+        while httpx.get(srv.url + "/v1/health").status_code == 200 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        r = httpx.get(srv.url + "/v1/health")
+        assert r.status_code == 503 and "embeddings.bin" in r.text, r.text
+        ready = httpx.get(srv.url + "/v1/ready")
+        assert ready.status_code == 503 and "embeddings.bin" in ready.text
+
+
+def test_a_member_three_quarters_of_a_second_away_joins(tiny_models):
+    """A member with ~0.75 s one-way latency could never join (its 3 s wait ended before the router had
+    probed it back), and its log said the router was unreachable."""
+    from larql_edge.format.layers import LayerRange
+    from larql_edge.roles.ffn.app import create_app
+    from larql_edge.roles.ffn.shard import Shard
+    from larql_edge.service.membership import GridSettings, install_membership
+    from larql_edge.tools.delay_proxy import DelayProxy
+    from larql_edge.tools.grid.supervisor import free_port
+    from tests._grid import GRID_KEY, wait_grid
+
+    port = free_port()
+    # heartbeats every 1 s (eviction after 3 s): a 1.5 s round trip must not evict the member
+    with _inproc.router(heartbeat=1.0) as router, \
+            DelayProxy(("127.0.0.1", 0), ("127.0.0.1", router.port), delay_ms=750).running() as to_router, \
+            DelayProxy(("127.0.0.1", 0), ("127.0.0.1", port), delay_ms=750).running() as to_member:
+        s = Shard(tiny_models["gemma3"], LayerRange.parse("0-1"))
+        app = create_app(s)
+        member = install_membership(app, GridSettings(routers=(to_router.url,), grid_key=GRID_KEY,
+                                                      public_url=to_member.url),
+                                    "ffn", lambda: s.describe(app.ctx.compute.inflight))
+        assert member is not None
+        with ServerThread(app, port=port):
+            view = wait_grid(router.url, members=1, timeout=90)
+            assert [m["url"] for m in view["members"]] == [to_member.url]
+            # the member itself knows it joined (the router may register a join whose reply came too late)
+            deadline = time.monotonic() + 60
+            while not all(member.member_ids.values()) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert member.member_ids and all(member.member_ids.values()), member.member_ids
+            joins = [link.joins for link, _ in member.links.values()]
+            assert joins == [1], joins
+

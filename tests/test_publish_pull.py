@@ -47,6 +47,7 @@ def test_names_are_derived_as_the_record_says():
     assert split_sibling_suffix("o/m-vindex") == ("o/m-vindex", None)
 
 
+@pytest.mark.slow  # tens of seconds in-process (tests/conftest.py: the tiers)
 def test_publish_default_slices_then_republish_unchanged(hub, vindex):
     rep = _publish(hub, vindex)
     repos = [r.repo for r in rep.repos]
@@ -111,6 +112,7 @@ def test_repo_type_model_everywhere(hub, vindex):
     assert rep.repos[1].repo == f"{REPO}-embed"
 
 
+@pytest.mark.slow  # tens of seconds in-process (tests/conftest.py: the tiers)
 def test_pull_preset_all_slices_and_collection(hub, vindex, tmp_path):
     rep = _publish(hub, vindex)
     got = pull(REPO, preset="embed", output=tmp_path / "embed", endpoint=hub.url, token=hub.token, log=quiet)
@@ -204,6 +206,7 @@ def test_server_errors_are_clear(hub, vindex, tmp_path, status, match):
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.slow  # tens of seconds in-process (tests/conftest.py: the tiers)
 def test_cli_never_prints_the_token(hub, vindex, tmp_path, hf_env, monkeypatch):
     for k, v in {"HF_TOKEN": hub.token, "HF_ENDPOINT": hub.url}.items():
         monkeypatch.setenv(k, v)
@@ -241,3 +244,24 @@ def test_publish_real_gemma_default_slices(hub, gemma_f16, tmp_path):
     publish(gemma_f16, "test-user/gemma-3-270m-vindex", endpoint=hub.url, token=hub.token, log=quiet, tmp_dir=tmp_path)
     assert hub.lfs_bytes_uploaded() == 0
     assert total > 1_000_000_000  # six repos of a 525 MB vindex went up the first time
+
+
+def test_publish_without_a_token_says_so_before_any_network(vindex, hf_env):
+    """With no token `publish` retried a Hub it could not reach for ~27 s, then blamed the network."""
+    from tests._grid import free_port
+
+    r = slicer("publish", str(vindex), "--repo", REPO, "--endpoint", f"http://127.0.0.1:{free_port()}")
+    assert r.returncode == 1, r.stderr
+    assert "needs a Hub token" in r.stderr and "HF_TOKEN" in r.stderr and "hf auth login" in r.stderr
+    assert "could not be reached" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_dry_run_fails_clearly_when_the_hub_cannot_be_reached(vindex, hf_env):
+    """`publish --dry-run` with no Hub printed a whole upload plan (`would upload 12 files, skip 0`)
+    and exited 0, as if the Hub were empty. A Hub it cannot list is an error, not an empty repo."""
+    from tests._grid import free_port
+
+    r = slicer("publish", str(vindex), "--repo", REPO, "--dry-run", "--endpoint", f"http://127.0.0.1:{free_port()}")
+    assert r.returncode == 1, r.stdout
+    assert "would upload" not in r.stdout
+    assert "could not be reached" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr

@@ -176,6 +176,7 @@ def test_a_cut_download_continues_from_the_bytes_on_disk(hub, files, hub_cache, 
     assert _partials(tmp_path / "out", hub_cache) == []
 
 
+@pytest.mark.slow  # tens of seconds in-process (tests/conftest.py: the tiers)
 @pytest.mark.parametrize("where", WHERE)
 def test_a_pull_that_gives_up_keeps_only_what_the_next_pull_continues(hub, files, hub_cache, tmp_path, where):
     hub.fail_next_download_after("big.bin", 1_000_000)

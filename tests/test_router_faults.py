@@ -12,6 +12,7 @@ import pytest
 from larql_edge.errors import RemoteError
 from larql_edge.format.vindex import Vindex
 from larql_edge.model.forward import Transformer
+from larql_edge.net.hops import HopLog
 from larql_edge.roles.client._build import build_remote
 from larql_edge.wire import ffn as w
 from tests._grid import Procs, free_port, remote_args, start_grid, wait_grid
@@ -27,18 +28,24 @@ def _busiest(router_url: str, shards) -> object:
     return max(shards, key=lambda s: members.get(s.url, {}).get("requests", 0))
 
 
-def test_killing_one_of_two_replicas_mid_generation(tiny_models):
+@pytest.mark.parametrize("direct", [False, True], ids=["via-router", "direct"])
+def test_killing_one_of_two_replicas_mid_generation(tiny_models, direct):
     v = tiny_models["gemma3"]
     want = list(Transformer.local(v).generate(IDS, 12, stop_ids=[]))
     with Procs() as procs:
         g = start_grid(procs, v, ["0-0", "1-1"], replicas=2)
-        remote = build_remote(Vindex.open(v), remote_args(ffn=g["router"].url))
+        hops = HopLog()
+        remote = build_remote(Vindex.open(v), remote_args(ffn=g["router"].url, direct=direct), hops)
         out = []
         victim = None
         for i, tok in enumerate(remote.generate(IDS, 12, stop_ids=[])):
             out.append(tok)
             if i == 4:
-                victim = _busiest(g["router"].url, g["shards"]["0-0"])
+                if direct:  # the replica the client has been sending layer 0 to
+                    used = [h.url for h in hops.drain() if h.layer == 0]
+                    victim = max(g["shards"]["0-0"], key=lambda s: used.count(s.url))
+                else:
+                    victim = _busiest(g["router"].url, g["shards"]["0-0"])
                 victim.kill()
         assert out == want
         assert not victim.running()
@@ -89,3 +96,37 @@ def test_router_restart_members_rejoin_without_restarting(tiny_models):
         assert all(s.running() for grp in g["shards"].values() for s in grp)
         # The same client (same URL, same keep-alive pool) carries on.
         np.testing.assert_array_equal(remote.next_logits(IDS), want)
+
+
+def test_a_frozen_replica_is_failed_over_at_its_missed_heartbeats_not_the_hop_timeout(tiny_models):
+    """Issue #19 (Low): a SIGSTOPped replica stalled generation for 12-17 s (the router waited the whole
+    hop timeout). Now a request in flight to a member that stops heartbeating fails over once the
+    member is past the eviction age (3 heartbeats): here 0.75 s, against a 20 s hop timeout."""
+    import signal
+
+    v = tiny_models["gemma3"]
+    want = list(Transformer.local(v).generate(IDS, 16, stop_ids=[]))
+    with Procs() as procs:
+        router = procs.router("--upstream-timeout", "20")
+        router.wait_ready(30)
+        procs.start("embed", "larql-embed", str(v), "--blas-threads", "1", "--join", router.url).wait_ready(60)
+        shards = [procs.shard(v, "0-1", router, f"ffn-{i}") for i in range(2)]
+        for s in shards:
+            s.wait_ready(60)
+        wait_grid(router.url, embed=1, members=3, timeout=60)
+        # through the router (the direct data path and its hedging are the client's own failover)
+        remote = build_remote(Vindex.open(v), remote_args(ffn=router.url, retries=4, timeout=60, direct=False, hedge=False))
+        out, stamps, victim = [], [], None
+        for i, tok in enumerate(remote.generate(IDS, 16, stop_ids=[])):
+            out.append(tok)
+            stamps.append(time.monotonic())
+            if i == 4:
+                victim = _busiest(router.url, shards)
+                victim.send_signal(signal.SIGSTOP)
+        try:
+            assert out == want
+            steps = np.diff(stamps)
+            before = float(np.median(steps[:4]))  # a token's time here, now: the baseline
+            assert steps[4:].max() < 10.0 + 5 * before, (steps.tolist(), before)  # never the 20 s hop timeout
+        finally:
+            victim.send_signal(signal.SIGCONT)

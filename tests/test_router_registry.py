@@ -17,9 +17,9 @@ class Clock:
         return self.t
 
 
-def ann(url, start=0, end=3, cap="ffn", model="m", n=4, hidden=8):
+def ann(url, start=0, end=3, cap="ffn", model="m", n=4, hidden=8, vh="h"):
     return Announce.from_json({"capability": cap, "public_url": url, "model": model, "num_layers": n,
-                               "hidden_size": hidden, "layer_start": start, "layer_end": end, "vindex_hash": "h"})
+                               "hidden_size": hidden, "layer_start": start, "layer_end": end, "vindex_hash": vh})
 
 
 def join(reg, a):
@@ -93,6 +93,22 @@ def test_model_mismatch_is_conflict(reg):
         join(reg, ann("http://b:1", hidden=16))
     with pytest.raises(Conflict):
         join(reg, ann("http://b:1", end=5, n=6))
+
+
+def test_a_replica_of_another_build_is_refused_and_told_why(reg):
+    """Issue 19 (High): a q4k shard was accepted as a replica beside f16 shards of "the same model"."""
+    join(reg, ann("http://f16-a:1", 0, 1, vh="f16hash"))
+    join(reg, ann("http://f16-b:1", 2, 3, vh="f16hash"))
+    with pytest.raises(Conflict) as e:
+        join(reg, ann("http://q4k:1", 0, 1, vh="q4khash"))
+    assert "q4khash" in str(e.value) and "f16hash" in str(e.value) and "http://f16-a:1" in str(e.value)
+    with pytest.raises(Conflict):  # overlapping a range counts too
+        join(reg, ann("http://q4k:1", 1, 2, vh="q4khash"))
+    join(reg, ann("http://f16-c:1", 0, 1, vh="f16hash"))  # the same build is a replica
+    join(reg, ann("http://embed-a:1", cap="embed", vh="embedslice"))  # another tier holds other files
+    with pytest.raises(Conflict):
+        join(reg, ann("http://embed-b:1", cap="embed", vh="otherembed"))
+    assert len(reg.members) == 4
 
 
 def test_best_replica_and_failover(reg):

@@ -31,13 +31,17 @@ from larql_edge.model.forward import EmbedProvider, FfnProvider, project_qkv
 from larql_edge.model.head import top_k_logprobs
 from larql_edge.model.spec import ModelSpec
 from larql_edge.model.weights import AttentionLayer
+from larql_edge.wire.embed import allowed_tokens
 
 
 class TopKHead(Protocol):
     """Pre-final-norm rows ``[n, hidden]`` -> per row the top ``k`` ids and their log-probabilities
-    (temperature 1), most likely first (ties: the lower id first, as ``argmax``)."""
+    (temperature 1), most likely first (ties: the lower id first, as ``argmax``). ``masks``: per row
+    None or a token bitmask (`larql_edge.wire.embed.mask_words` 32-bit words; structured output): the
+    row's top k are then among its allowed tokens only, renormalised over them, and may be fewer than k."""
 
-    def top_k_rows(self, h: np.ndarray, k: int) -> list[tuple[np.ndarray, np.ndarray]]: ...
+    def top_k_rows(self, h: np.ndarray, k: int,
+                   masks: Sequence[np.ndarray | None] | None = None) -> list[tuple[np.ndarray, np.ndarray]]: ...
 
 
 class LocalTopK:
@@ -46,9 +50,19 @@ class LocalTopK:
     def __init__(self, head):
         self.head = head
 
-    def top_k_rows(self, h: np.ndarray, k: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    def top_k_rows(self, h: np.ndarray, k: int,
+                   masks: Sequence[np.ndarray | None] | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
         logits = np.asarray(self.head.logits(h), dtype=np.float32)
-        return [top_k_logprobs(row, k) for row in logits]
+        out = []
+        for i, row in enumerate(logits):
+            mask = masks[i] if masks is not None else None
+            if mask is None:
+                out.append(top_k_logprobs(row, k))
+                continue
+            ids, lps = top_k_logprobs(np.where(allowed_tokens(mask, row.size), row, np.float32(-np.inf)), k)
+            keep = np.isfinite(lps)  # fewer allowed tokens than k: only those
+            out.append((ids[keep], lps[keep]))
+        return out
 
 
 def kv_bytes_per_token(spec: ModelSpec) -> int:
@@ -68,12 +82,21 @@ class SeqCache:
         self.context = context
         self.length = 0
 
+    def truncate(self, length: int) -> None:
+        """Forget the positions from ``length`` on (speculative decoding's rollback): they are
+        overwritten in place by the next ones."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot truncate a cache of {self.length} positions to {length}")
+        self.length = length
+
 
 @dataclass
 class Chunk:
     cache: SeqCache
     ids: Sequence[int]
     wants_logits: bool = True  # False for a prefill chunk that is not the prompt's last
+    logit_rows: int = 1  # with wants_logits: how many of the last rows want their top k (drafts verified)
+    mask: np.ndarray | None = None  # the allowed next tokens (a token bitmask), for structured output
 
 
 class BatchEngine:
@@ -145,15 +168,27 @@ class BatchEngine:
 
     def step(self, chunks: Sequence[Chunk], k: int) -> list[tuple[np.ndarray, np.ndarray] | None]:
         """One step: per chunk, the top ``k`` of its next token (None for a chunk not asking)."""
+        return [rows[-1] if rows else None for rows in self.step_rows(chunks, k)]
+
+    def step_rows(self, chunks: Sequence[Chunk], k: int) -> list[list[tuple[np.ndarray, np.ndarray]]]:
+        """One step: per chunk, the top ``k`` after each of its last ``logit_rows`` rows (none for a
+        chunk not asking), every chunk's rows in ONE head request."""
         if not chunks:
             return []
         local0 = self.local_s
         h = self.forward(chunks)
         self.step_local.append(self.local_s - local0)
-        last, at = [], 0
+        wanted: list[int] = []
+        masks: list[np.ndarray | None] = []
+        counts: list[int] = []
+        at = 0
         for c in chunks:
             at += len(c.ids)
-            if c.wants_logits:
-                last.append(at - 1)
-        tops = iter(self.head.top_k_rows(h[last], k) if last else [])
-        return [next(tops) if c.wants_logits else None for c in chunks]
+            n = min(max(1, c.logit_rows), len(c.ids)) if c.wants_logits else 0
+            wanted.extend(range(at - n, at))
+            masks.extend([None] * (n - 1) + [c.mask] if n else [])  # a mask applies to the last row
+            counts.append(n)
+        any_mask = any(m is not None for m in masks)
+        tops = iter((self.head.top_k_rows(h[wanted], k, masks) if any_mask else self.head.top_k_rows(h[wanted], k))
+                    if wanted else [])
+        return [[next(tops) for _ in range(n)] for n in counts]

@@ -84,10 +84,33 @@ class KVCache:
     keys: list[np.ndarray | None]
     values: list[np.ndarray | None]
     length: int = 0
+    slack: int = 0  # keys kept beyond a sliding window, so that `truncate` can go back that far
 
     @classmethod
-    def empty(cls, num_layers: int) -> "KVCache":
-        return cls([None] * num_layers, [None] * num_layers)
+    def empty(cls, num_layers: int, slack: int = 0) -> "KVCache":
+        return cls([None] * num_layers, [None] * num_layers, slack=slack)
+
+    def truncate(self, length: int, windows: Sequence[int | None] | None = None) -> None:
+        """Forget the positions from ``length`` on (speculative decoding's rollback past a rejected
+        draft). ``windows``: each layer's sliding window (None: full attention), to check that the
+        keys left still cover what the next position attends to."""
+        drop = self.length - length
+        if drop < 0:
+            raise ValueError(f"cannot truncate a cache of {self.length} positions to {length}")
+        if drop == 0:
+            return
+        for i, k in enumerate(self.keys):
+            if k is None:
+                continue
+            left = k.shape[1] - drop
+            window = windows[i] if windows is not None else None
+            need = length if window is None else min(length, window - 1)
+            if left < need:
+                raise ValueError(f"layer {i}: {left} keys would be left, {need} are needed: the cache was trimmed "
+                                 "to its sliding window (give it more slack)")
+            self.keys[i] = k[:, :left]
+            self.values[i] = self.values[i][:, :left]  # type: ignore[index]
+        self.length = length
 
 
 @dataclass
@@ -115,8 +138,13 @@ class Transformer:
             backend=be,
         )
 
-    def new_cache(self) -> KVCache:
-        return KVCache.empty(self.spec.num_layers)
+    def new_cache(self, slack: int = 0) -> KVCache:
+        return KVCache.empty(self.spec.num_layers, slack)
+
+    def windows(self) -> list[int | None]:
+        """Each layer's sliding window (None: full attention), for `KVCache.truncate`."""
+        s = self.spec
+        return [s.sliding_window if s.is_sliding(i) else None for i in range(s.num_layers)]
 
     def _attention(self, layer: int, x: np.ndarray, cache: KVCache, start: int, rope: dict) -> np.ndarray:
         s, w, be = self.spec, self.attn[layer], self.backend
@@ -130,9 +158,11 @@ class Transformer:
             k = np.concatenate([cache.keys[layer], k], axis=1)
             v = np.concatenate([cache.values[layer], v], axis=1)
         window = s.sliding_window if s.is_sliding(layer) else None
-        if window is not None and k.shape[1] > window + seq - 1:
-            # Keys older than the window are never attended again by this or any later query.
-            k, v = k[:, -(window + seq - 1) :], v[:, -(window + seq - 1) :]
+        if window is not None and k.shape[1] > window + seq - 1 + cache.slack:
+            # Keys older than the window are never attended again by this or any later query
+            # (unless the cache is rolled back: `slack` keeps that many more).
+            keep = window + seq - 1 + cache.slack
+            k, v = k[:, -keep:], v[:, -keep:]
         cache.keys[layer], cache.values[layer] = k, v
         # The cache always ends at the newest position, so key positions count back from it.
         k_pos = np.arange(start + seq - k.shape[1], start + seq)

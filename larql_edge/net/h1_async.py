@@ -17,7 +17,6 @@ bounded (``MAX_HEAD`` bytes, ``MAX_HEADERS`` lines) and the body by ``max_body``
 from __future__ import annotations
 
 import asyncio
-import ssl
 from functools import lru_cache
 from urllib.parse import urlsplit
 
@@ -30,6 +29,7 @@ from larql_edge.net.h1 import (
     ReplyTooLarge,
     TimedOut,
 )
+from larql_edge.net.tls import client_context
 
 PIECE = 64 << 10  # close-delimited bodies are read in pieces, so the size bound stops early
 _HEX = b"0123456789abcdefABCDEF"
@@ -80,21 +80,25 @@ class H1Pool:
         self.max_idle = max_idle
         self.max_body = max_body
         self._idle: dict[tuple[str, int, str], list[_Conn]] = {}
-        self._ssl: ssl.SSLContext | None = None
 
     async def _open(self, host: str, port: int, scheme: str) -> _Conn:
-        if scheme == "https" and self._ssl is None:
-            self._ssl = ssl.create_default_context()
+        tls = client_context() if scheme == "https" else None
+        writer = None
         try:
-            reader, writer = await asyncio.wait_for(
-                asyncio.open_connection(host, port, ssl=self._ssl if scheme == "https" else None,
-                                        limit=MAX_HEAD),
-                self.connect_timeout,
-            )
-        except TimeoutError:
-            raise TimedOut(f"connect to {host}:{port} timed out") from None
-        except OSError as e:
-            raise ConnectFailed(f"connect to {host}:{port}: {e.strerror or e}") from None
+            reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port, limit=MAX_HEAD),
+                                                    self.connect_timeout)
+            if tls is not None:
+                # The handshake on the open connection, not open_connection(ssl=): a refused
+                # handshake there leaves its transport for the garbage collector.
+                await asyncio.wait_for(writer.start_tls(tls, server_hostname=host), self.connect_timeout)
+        except BaseException as e:
+            if writer is not None:
+                writer.close()
+            if isinstance(e, TimeoutError):
+                raise TimedOut(f"connect to {host}:{port} timed out") from None
+            if isinstance(e, OSError):
+                raise ConnectFailed(f"connect to {host}:{port}: {e.strerror or e}") from None
+            raise
         return _Conn(reader, writer)
 
     def _pooled(self, key: tuple[str, int, str]) -> _Conn | None:

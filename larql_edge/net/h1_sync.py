@@ -30,6 +30,7 @@ from larql_edge.net.h1 import (
     ReplyTooLarge,
     TimedOut,
 )
+from larql_edge.net.tls import client_context
 
 PIECE = 64 << 10  # chunked and close-delimited bodies are read in pieces, so the size bound stops early
 
@@ -79,7 +80,7 @@ class _TlsConnection(http.client.HTTPSConnection):
     """TLS keeps ``http.client``'s own socket: its reads are bounded per receive, not as a whole."""
 
     def __init__(self, host: str, port: int, connect_timeout: float):
-        super().__init__(host, port, timeout=connect_timeout)
+        super().__init__(host, port, timeout=connect_timeout, context=client_context())
 
     def start(self, timeout: float, deadline: float) -> None:
         self.sock.settimeout(max(1e-3, deadline - time.monotonic()))

@@ -26,9 +26,10 @@ from larql_edge.errors import RemoteError, WireError
 from larql_edge.format.layers import gaps
 from larql_edge.net.direct import DirectPath
 from larql_edge.net.failures import is_caller_mistake, is_success
-from larql_edge.net.h1 import Reply, TransportError, describe, error_text
+from larql_edge.net.h1 import ConnectFailed, Reply, TransportError, describe, error_text
 from larql_edge.net.h1_sync import HttpClient
 from larql_edge.net.hops import Hedger, Hop, HopLog, server_seconds
+from larql_edge.wire import VINDEX_HEADER
 from larql_edge.wire import embed as embed_wire
 from larql_edge.wire import ffn as ffn_wire
 from larql_edge.wire.grid import Target, parse_targets
@@ -47,7 +48,12 @@ class Replicas:
     """
 
     def __init__(self, client: HttpClient, retries: int = 4, backoff: float = BACKOFF_FIRST_S, what: str = "server",
-                 hops: HopLog | None = None):
+                 hops: HopLog | None = None, on_retry: Callable[[str], None] | None = None,
+                 refused_first_is_fatal: bool = False):
+        """``on_retry`` gets a line before each wait (a command line shows it: retries can take ~15 s).
+        ``refused_first_is_fatal``: when no replica has ever answered and every one refuses the
+        connection (nothing listens: the grid is not up), fail at once instead of retrying for
+        seconds; once one has answered, a refusal is a restart and is retried as usual."""
         self.client = client
         self.retries = max(0, retries)
         self.backoff = backoff
@@ -55,6 +61,9 @@ class Replicas:
         self.hops = hops  # where answered hops are logged (timings), if anywhere
         self.on_success: Callable[[str, float], None] | None = None  # (url, seconds): the direct path learns speeds
         self.on_failure: Callable[[str], None] | None = None
+        self.on_retry = on_retry
+        self.refused_first_is_fatal = refused_first_is_fatal
+        self.answered = False
         self._preferred: dict[tuple[str, ...], str] = {}
         self.failovers = 0
 
@@ -71,6 +80,7 @@ class Replicas:
             order.remove(first)
             order.insert(0, first)
         reasons: list[str] = []
+        refused: set[str] = set()
         delay = self.backoff
         for attempt in range(self.retries + 1):
             url = order[attempt % len(order)]
@@ -79,6 +89,11 @@ class Replicas:
                 r = self.client.request(method, url + path, content=content, headers=headers)
             except TransportError as e:
                 reasons.append(f"{url}: {describe(e)}")
+                if isinstance(e, ConnectFailed):
+                    refused.add(url)
+                    if self.refused_first_is_fatal and not self.answered and refused >= set(order):
+                        raise RemoteError(f"{self.what}{about}: nothing answers at {', '.join(order)} "
+                                          "(connection refused or unreachable): is it running?") from None
             else:
                 if is_success(r.status_code):
                     try:
@@ -87,6 +102,7 @@ class Replicas:
                         reasons.append(f"{url}: unusable reply ({e})")
                     else:
                         self._preferred[key] = url
+                        self.answered = True
                         wall = time.perf_counter() - t0
                         if self.hops is not None and hop is not None:
                             self.hops.add(Hop(hop[0], hop[1], url, wall, server_seconds(r)))
@@ -101,10 +117,27 @@ class Replicas:
             if self.on_failure is not None:
                 self.on_failure(url)
             if attempt < self.retries:
+                if self.on_retry is not None:
+                    self.on_retry(f"{self.what}{about}: {reasons[-1]}; retrying in {delay:.1f}s "
+                                  f"(attempt {attempt + 2} of {self.retries + 1})")
                 time.sleep(delay)
                 delay = min(delay * 2, BACKOFF_MAX_S)
         raise RemoteError(f"{self.what}{about}: no replica answered after {self.retries + 1} attempts: "
                           + "; ".join(_dedupe(reasons)))
+
+
+def check_answer(values: np.ndarray, r: Reply, pins: dict, key: object, what: str) -> None:
+    """One model, sound values: a reply with non-finite values (damaged weights) or from another build
+    than the one ``key`` was first answered from (``X-Larql-Vindex``) is that replica's failure, so the
+    next one is tried and two builds are never mixed in one generation."""
+    if not np.isfinite(values).all():
+        raise RemoteError(f"non-finite values in the {what} reply")
+    ident = r.headers.get(VINDEX_HEADER)
+    if ident:
+        first = pins.setdefault(key, ident)
+        if ident != first:
+            raise RemoteError(f"{what} answered from vindex {ident}, earlier from {first}: "
+                              "refusing to mix two builds of the model")
 
 
 class RemoteEmbed:
@@ -113,12 +146,14 @@ class RemoteEmbed:
     def __init__(self, replicas: Replicas, urls: Sequence[str], hidden: int, path: DirectPath | None = None):
         self.replicas, self.urls, self.hidden = replicas, list(urls), hidden
         self.path = path  # with the direct data path: the embed servers the routers list come first
+        self.identity: dict[object, str] = {}  # the vindex the embed tier first answered from
 
     def embed(self, ids: Sequence[int]) -> np.ndarray:
         def decode(r: Reply) -> np.ndarray:
             rows = embed_wire.decode_embed_response(r.content)
             if rows.shape != (len(ids), self.hidden):
                 raise RemoteError(f"{list(rows.shape)} rows, expected [{len(ids)}, {self.hidden}]: another model?")
+            check_answer(rows, r, self.identity, "embed", "embeddings")
             return rows
 
         urls = self.path.embed_urls(self.urls) if self.path is not None else self.urls
@@ -145,6 +180,7 @@ class RemoteHead:
         self.path = path
         self.top_k = max(1, min(top_k, vocab))
         self.mode = "raw"
+        self.many_rows = True  # False once the server refused the many-rows raw form
         self.notice = notice
 
     def _urls(self) -> list[str]:
@@ -180,14 +216,19 @@ class RemoteHead:
         return self.replicas.request(self._urls(), "POST", "/v1/logits", content=body,
                                      headers={"content-type": "application/json"}, decode=decode, hop=("logits", None))
 
-    def top_k_rows(self, h: np.ndarray, k: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    def top_k_rows(self, h: np.ndarray, k: int,
+                   masks: Sequence[np.ndarray | None] | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
         """The top ``k`` (ids, log-probabilities at temperature 1) of every row, in ONE request: the
         embed server's many-rows form (binary ``?rows=N``, answered as top-k JSON per row), which its
-        batcher multiplies as one lm_head product. larql-serve's head: one request per decode step."""
+        batcher multiplies as one lm_head product. larql-serve's head: one request per decode step.
+        ``masks`` (per row None or a token bitmask) go with the rows (``&masked=``), applied before top-k."""
         rows = np.ascontiguousarray(np.atleast_2d(np.asarray(h, dtype=np.float32)))
         k = max(1, min(k, self.vocab))
         if rows.shape[0] > self.MAX_ROWS:  # the embed server's max_batch (default): more rows, more requests
-            return [t for i in range(0, rows.shape[0], self.MAX_ROWS) for t in self.top_k_rows(rows[i : i + self.MAX_ROWS], k)]
+            return [t for i in range(0, rows.shape[0], self.MAX_ROWS)
+                    for t in self.top_k_rows(rows[i : i + self.MAX_ROWS], k,
+                                             None if masks is None else masks[i : i + self.MAX_ROWS])]
+        masked = [i for i, m in enumerate(masks or ()) if m is not None]
 
         def decode(r: Reply) -> list[tuple[np.ndarray, np.ndarray]]:
             try:
@@ -205,12 +246,44 @@ class RemoteHead:
                 raise RemoteError(f"malformed many-rows logits ({e})") from None
             return out
 
-        return self.replicas.request(self._urls(), "POST", f"/v1/logits?rows={rows.shape[0]}&top_k={k}&temperature=1",
-                                     content=embed_wire.encode_logits_rows_request(rows),
+        if masked:
+            assert masks is not None
+            bits = np.stack([np.asarray(masks[i]).reshape(-1) for i in masked])
+            query = f"/v1/logits?rows={rows.shape[0]}&top_k={k}&temperature=1&masked={','.join(map(str, masked))}"
+            content = embed_wire.encode_logits_masked_rows_request(rows, bits)
+        else:
+            query = f"/v1/logits?rows={rows.shape[0]}&top_k={k}&temperature=1"
+            content = embed_wire.encode_logits_rows_request(rows)
+        return self.replicas.request(self._urls(), "POST", query, content=content,
                                      headers={"content-type": ffn_wire.CONTENT_TYPE}, decode=decode, hop=("logits", None))
+
+    def _raw_rows(self, rows: np.ndarray) -> np.ndarray | None:
+        """Raw logits of several rows in ONE request (the many-rows form with the binary Accept):
+        speculative decoding's verification pass when it samples."""
+        if rows.shape[0] > self.MAX_ROWS:
+            parts = [self._raw_rows(rows[i : i + self.MAX_ROWS]) for i in range(0, rows.shape[0], self.MAX_ROWS)]
+            return None if any(p is None for p in parts) else np.concatenate(parts)  # type: ignore[arg-type]
+
+        def decode(r: Reply) -> np.ndarray | None:
+            if r.headers.get("content-type", "").startswith("application/json"):
+                return None
+            return embed_wire.decode_logits_response(r.content, self.vocab * rows.shape[0]).reshape(rows.shape[0], -1)
+
+        return self.replicas.request(self.urls, "POST", f"/v1/logits?rows={rows.shape[0]}",
+                                     content=embed_wire.encode_logits_rows_request(rows),
+                                     headers={"content-type": ffn_wire.CONTENT_TYPE, "accept": ffn_wire.CONTENT_TYPE},
+                                     decode=decode)
 
     def logits(self, h: np.ndarray) -> np.ndarray:
         rows = np.atleast_2d(np.asarray(h, dtype=np.float32))
+        if rows.shape[0] > 1 and self.mode == "raw" and self.many_rows:
+            try:
+                many = self._raw_rows(np.ascontiguousarray(rows))
+            except RemoteError:  # a server without the many-rows form: one request per row from now on
+                many = None
+            if many is not None:
+                return many
+            self.many_rows = False
         out = np.empty((rows.shape[0], self.vocab), dtype=np.float32)
         for i, row in enumerate(rows):  # the endpoint takes one position; decode asks for one
             got = self._raw(row) if self.mode == "raw" else None
@@ -244,6 +317,7 @@ class RemoteFfn:
                         "accept": ffn_wire.CONTENT_TYPE_F16 if f16 else ffn_wire.CONTENT_TYPE}
         self.seconds = 0.0  # time spent in FFN round trips (benchmarks read it)
         self.calls = 0
+        self.identity: dict[object, str] = {}  # layer -> the vindex that first answered it (X-Larql-Vindex)
 
     def missing_layers(self) -> list[int]:
         return [layer for layer, urls in self._urls.items() if not urls]
@@ -259,6 +333,7 @@ class RemoteFfn:
             got, out, _ = ffn_wire.decode_response(r.content, self.hidden, f16=f16)
             if got != layer or out.shape != x2.shape:
                 raise RemoteError(f"the reply is for layer {got} with shape {list(out.shape)}")
+            check_answer(out, r, self.identity, layer, f"layer {layer}")
             return out
 
         body = ffn_wire.encode_request(layer, x)
@@ -328,9 +403,11 @@ class RemoteTiers:
 
 
 def build_tiers(s: RemoteSettings, hidden: int, num_layers: int, vocab: int,
-                notice: Callable[[str], None] | None = None, hops: HopLog | None = None) -> RemoteTiers:
+                notice: Callable[[str], None] | None = None, hops: HopLog | None = None,
+                on_retry: Callable[[str], None] | None = None, refused_first_is_fatal: bool = False) -> RemoteTiers:
     """The remote providers of the forward pass, with one keep-alive client for all three tiers;
-    every way the targets fail to cover the model is a `RemoteError` saying which flag to fix."""
+    every way the targets fail to cover the model is a `RemoteError` saying which flag to fix.
+    ``on_retry``, ``refused_first_is_fatal``: as `Replicas` (a command line sets both)."""
     check_settings(s)
     client = make_client(s.timeout)
     ffn_targets = parse_targets(s.ffn, "--ffn") if s.ffn else []
@@ -342,13 +419,15 @@ def build_tiers(s: RemoteSettings, hidden: int, num_layers: int, vocab: int,
     path.hops = hops
     if ffn_targets:
         hedger = Hedger(lambda: make_client(s.timeout), s.hedge_budget) if s.hedge and s.direct else None
-        ffn = RemoteFfn(Replicas(client, s.retries, what="FFN", hops=hops), ffn_targets, hidden, num_layers,
+        ffn = RemoteFfn(Replicas(client, s.retries, what="FFN", hops=hops, on_retry=on_retry,
+                                 refused_first_is_fatal=refused_first_is_fatal), ffn_targets, hidden, num_layers,
                         f16=s.ffn_f16, path=path, hedger=hedger)
         missing = ffn.missing_layers()
         if missing:
             holes = ", ".join(str(g) for g in gaps(set(range(num_layers)) - set(missing), num_layers))
             raise RemoteError(f"no --ffn target serves layers {holes} (the model has {num_layers} layers)")
-    replicas = Replicas(client, s.retries, what="embed server", hops=hops)
+    replicas = Replicas(client, s.retries, what="embed server", hops=hops, on_retry=on_retry,
+                        refused_first_is_fatal=refused_first_is_fatal)
     # --embed given: those servers, as given. Else the routers' embed servers first (direct path).
     epath = path if path.enabled and not s.embed else None
     if epath is not None:

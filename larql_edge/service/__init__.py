@@ -8,8 +8,10 @@ Public surface:
 - `body_kind`, `json_body`, `json_object`, `parse_json`: one content-type rule, bounded JSON;
 - `Compute`: work off the event loop with an in-flight count;
 - `Metrics`: the role's metric families;
-- `add_server_flags`, `pin_blas`, `setup_logging`, `serve`: what every server's `main` does.
+- `add_server_flags`, `pin_blas`, `setup_logging`, `serve`, `tls_settings`: what every server's `main` does.
 """
+
+from larql_edge.net.tls import settings_from_args as tls_settings
 
 from ._app import make_app
 from ._bodies import BINARY_KIND, JSON_KIND, body_kind, content_type, json_body, json_object, parse_json, read_body
@@ -22,5 +24,5 @@ from .serving import add_server_flags, pin_blas, serve, setup_logging
 __all__ = [
     "BINARY_KIND", "JSON_KIND", "Compute", "Hooks", "Metrics", "add_server_flags", "body_kind", "content_type",
     "error_response", "install_error_envelope", "json_body", "json_object", "make_app", "parse_json", "pin_blas",
-    "read_body", "serve", "setup_logging",
+    "read_body", "serve", "setup_logging", "tls_settings",
 ]  # fmt: skip

@@ -10,10 +10,12 @@ blueprints and fills in its `Hooks`.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from sanic import Sanic
 
 from larql_edge.net.hops import SERVER_TIMING, server_timing_value
+from larql_edge.wire import VINDEX_HEADER
 
 from ._compute import Compute
 from ._envelope import ErrorBody, install_error_envelope
@@ -27,16 +29,25 @@ KEEP_ALIVE_S = 75
 # wait for the connections), after which it is cut. Kubernetes' default grace is 30 s. Each server's
 # --drain-seconds sets it (app.config.GRACEFUL_SHUTDOWN_TIMEOUT).
 DRAIN_S = 10.0
+# A request queued behind others for the compute thread (or, at the router, behind the work it has in
+# flight to a member) waits its turn: Sanic's default 60 s cut answered eight concurrent largest
+# requests on a busy host with 503s. Every wait inside is bounded on its own (compute per request, the
+# router's hop timeouts), so this only catches a handler that never ends.
+RESPONSE_TIMEOUT_S = 900
 
 
 def make_app(name: str, role: str, hooks: Hooks, *, max_body: int, access_log: bool = False,
-             compute_threads: int = 1, metrics: Metrics | None = None, error_body: ErrorBody | None = None) -> Sanic:
+             compute_threads: int = 1, metrics: Metrics | None = None, error_body: ErrorBody | None = None,
+             identity: Callable[[], str | None] | None = None) -> Sanic:
+    """``identity()``: the id of the vindex this server answers from, sent on every reply
+    (``X-Larql-Vindex``), so a client can refuse to mix two builds of a model in one answer."""
     app = Sanic(name)
     app.config.REQUEST_MAX_SIZE = max_body
     app.config.KEEP_ALIVE_TIMEOUT = KEEP_ALIVE_S
     app.config.ACCESS_LOG = access_log
     app.config.MOTD = False
     app.config.GRACEFUL_SHUTDOWN_TIMEOUT = DRAIN_S
+    app.config.RESPONSE_TIMEOUT = RESPONSE_TIMEOUT_S
     app.ctx.hooks = hooks
     app.ctx.draining = False
     app.ctx.compute = compute = Compute(compute_threads, name=f"{role}-compute")
@@ -45,6 +56,12 @@ def make_app(name: str, role: str, hooks: Hooks, *, max_body: int, access_log: b
     install_error_envelope(app, error_body)
     metrics.install(app)
     app.blueprint(ops_bp)
+    if identity is not None:
+        @app.on_response
+        async def _identity(request, response):
+            ident = identity()
+            if ident:
+                response.headers[VINDEX_HEADER] = ident
 
     # SIGTERM (or SIGINT) drains, first of every stop listener: readiness goes false at once, the
     # routers are left, the role finishes what it holds (`Hooks.drain`), and every reply from now on

@@ -37,7 +37,11 @@ bp = Blueprint("ops")
 
 @bp.get("/v1/health", name="health")
 async def health(request: Request) -> HTTPResponse:
-    """Alive: answers as soon as the process listens, loaded or not."""
+    """Alive: answers as soon as the process listens, loaded or not; 503 once the role has failed for
+    good (``app.ctx.failed``, e.g. its model cannot load), so a supervisor restarts it."""
+    failed = getattr(request.app.ctx, "failed", None)
+    if failed:
+        raise ServiceUnavailable(failed)
     return json({"status": "ok"})
 
 

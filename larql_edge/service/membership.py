@@ -34,6 +34,7 @@ from sanic.response import HTTPResponse, json
 
 from larql_edge.config import Flags
 from larql_edge.errors import ProtocolError, Unauthorized
+from larql_edge.net.tls import client_context
 from larql_edge.service.identity import rss_bytes
 from larql_edge.wire.grid import HEARTBEAT, JOIN, LEAVE, check_url
 
@@ -46,6 +47,9 @@ RETRY_MAX_S = 3.0
 REFUSED_RETRY_S = 10.0  # a refused key will not start working soon; don't hammer the router
 NOT_READY_POLL_S = 0.2
 RESOLVE_S = 5.0
+# A join's reply comes only after the router has probed this member back (two requests of up to 5 s
+# each, router.grid_routes.PROBE_TIMEOUT_S): with 0.75 s one way, a 3 s wait gave up on every join.
+JOIN_TIMEOUT_S = 20.0
 LEAVE_PATH = "/v1/membership/leave"
 
 
@@ -58,11 +62,11 @@ def add_membership_flags(flags: Flags) -> None:
               help="URL the routers and clients reach this server at (default: http://HOST:PORT)")
 
 
-def default_public_url(host: str, port: int) -> str:
+def default_public_url(host: str, port: int, tls: bool = False) -> str:
     h = host if host not in ("", "0.0.0.0", "::") else "127.0.0.1"
     if ":" in h and not h.startswith("["):
         h = f"[{h}]"
-    return f"http://{h}:{port}"
+    return f"{'https' if tls else 'http'}://{h}:{port}"
 
 
 @dataclass(frozen=True, repr=False)
@@ -89,8 +93,14 @@ def membership_settings(args: Any, host: str, port: int) -> GridSettings | None:
     routers = tuple(check_url(u.strip(), "--join") for u in join.split(",") if u.strip())
     if not routers:
         raise ProtocolError("--join names no router URL")
-    public = check_url(getattr(args, "public_url", None) or default_public_url(host, port), "--public-url")
+    tls = bool(getattr(args, "tls_cert", None))
+    public = check_url(getattr(args, "public_url", None) or default_public_url(host, port, tls), "--public-url")
     return GridSettings(routers=routers, grid_key=key, public_url=public)
+
+
+# An address-URL `expand_router_urls` made -> the name it came from: over https the router's
+# certificate is checked against that name (and sent as SNI), not against the address.
+SERVER_NAMES: dict[str, str] = {}
 
 
 def expand_router_urls(urls: tuple[str, ...]) -> list[str]:
@@ -114,6 +124,7 @@ def expand_router_urls(urls: tuple[str, ...]) -> list[str]:
         for a in addrs:
             netloc = f"[{a}]:{port}" if ":" in a else f"{a}:{port}"
             out.append(urlunsplit((u.scheme, netloc, u.path, "", "")))
+            SERVER_NAMES[out[-1].rstrip("/")] = host
     return list(dict.fromkeys(out))
 
 
@@ -149,12 +160,18 @@ class RouterLink:
             out["member_token"] = self.member_token
         return out
 
-    async def _post(self, path: str, body: dict) -> httpx.Response:
+    @property
+    def _extensions(self) -> dict:
+        name = SERVER_NAMES.get(self.router)
+        return {"sni_hostname": name} if name and self.router.startswith("https:") else {}
+
+    async def _post(self, path: str, body: dict, timeout: float | None = None) -> httpx.Response:
         assert self._client is not None
-        return await self._client.post(self.router + path, json=body, headers=self._auth)
+        return await self._client.post(self.router + path, json=body, headers=self._auth, extensions=self._extensions,
+                                       timeout=timeout if timeout is not None else self.timeout)
 
     async def join(self) -> bool:
-        r = await self._post(JOIN, self._body())
+        r = await self._post(JOIN, self._body(), timeout=max(self.timeout, JOIN_TIMEOUT_S))
         if r.status_code == 200:
             reply = r.json()
             self.member_id = str(reply["member_id"])
@@ -189,7 +206,7 @@ class RouterLink:
             log.warning("heartbeat refused: %s %s", r.status_code, _error_text(r))
 
     async def run(self) -> None:
-        self._client = httpx.AsyncClient(timeout=self.timeout)
+        self._client = httpx.AsyncClient(timeout=self.timeout, verify=client_context())
         delay = RETRY_FIRST_S
         try:
             while not self._stop.is_set():
@@ -209,7 +226,10 @@ class RouterLink:
                     wait = self.interval
                 except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
                     if not self._warned:
-                        log.warning("router %s unreachable (%s); retrying", self.router, type(e).__name__)
+                        if isinstance(e, httpx.TimeoutException) and not isinstance(e, httpx.ConnectTimeout):
+                            log.warning("router %s took too long to answer (%s); retrying", self.router, type(e).__name__)
+                        else:
+                            log.warning("router %s unreachable (%s); retrying", self.router, type(e).__name__)
                         self._warned = True
                     wait, delay = delay, min(delay * 2, RETRY_MAX_S)
                 try:
@@ -224,7 +244,8 @@ class RouterLink:
         if self.member_id is None or self._client is None:
             return
         try:
-            await self._client.post(self.router + LEAVE, json=self._credentials(), headers=self._auth, timeout=1.0)
+            await self._client.post(self.router + LEAVE, json=self._credentials(), headers=self._auth, timeout=1.0,
+                                    extensions=self._extensions)
         except httpx.HTTPError:
             pass  # eviction covers a router we cannot reach
         self.member_id = self.member_token = None

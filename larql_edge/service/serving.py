@@ -3,7 +3,9 @@ and running Sanic."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import signal
 import sys
 from collections.abc import Callable
 from functools import partial
@@ -11,11 +13,17 @@ from functools import partial
 from sanic import Sanic
 
 from larql_edge.config import Flags, export_blas_threads
+from larql_edge.errors import SetupError
+from larql_edge.net.tls import Reloader, TlsSettings, add_tls_flags, client_context, server_context
 from larql_edge.service._app import DRAIN_S
+
+log = logging.getLogger("larql.tls")
+TLS_POLL_S = 2.0  # how often a server looks for renewed certificate files (cert-manager rewrites a mounted Secret)
 
 
 def add_server_flags(flags: Flags, port: int, workers: bool = False) -> None:
-    """``--host --port --blas-threads --log-level --access-log`` (and ``--workers``), each with its twin."""
+    """``--host --port --blas-threads --log-level --access-log`` (and ``--workers``), the TLS flags
+    (`larql_edge.net.tls`), each with its twin."""
     flags.add("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     flags.add("--port", type=int, default=port, help="port to listen on")
     if workers:
@@ -26,6 +34,7 @@ def add_server_flags(flags: Flags, port: int, workers: bool = False) -> None:
     flags.add("--drain-seconds", type=float, default=DRAIN_S,
               help="on SIGTERM, how long requests in flight have to finish before they are cut")
     flags.switch("--access-log", help="log every request")
+    add_tls_flags(flags, server=True)
 
 
 def pin_blas(threads: int | None) -> None:
@@ -51,11 +60,21 @@ def setup_logging(level: str) -> None:
 
 
 def serve(factory: Callable[[], Sanic], host: str, port: int, workers: int = 1, access_log: bool = False,
-          drain: float = DRAIN_S) -> None:
+          drain: float = DRAIN_S, tls: TlsSettings | None = None) -> None:
     """Run the app ``factory()`` builds. One worker is one process (what a supervisor stops by its
     pid); more run under Sanic's worker manager, each worker building its own app. SIGTERM drains
-    for at most ``drain`` seconds (`make_app`)."""
+    for at most ``drain`` seconds (`make_app`). With ``tls`` serving, the port speaks TLS only, and
+    the certificate is reloaded on SIGHUP or when its files change."""
     factory = partial(_with_drain, factory, drain)
+    if tls is not None and tls.serving:
+        if workers > 1:
+            # Sanic hands each worker a copy of the context: a reload or a client CA would not reach them.
+            raise SetupError("TLS with --workers > 1 is not supported: run one worker per process")
+        app = factory()
+        ctx = server_context(tls)
+        _install_reload(app, Reloader(tls, [ctx, client_context()]))
+        app.run(host=host, port=port, single_process=True, access_log=access_log, motd=False, ssl=ctx)
+        return
     if workers <= 1:
         factory().run(host=host, port=port, single_process=True, access_log=access_log, motd=False)
         return
@@ -65,6 +84,27 @@ def serve(factory: Callable[[], Sanic], host: str, port: int, workers: int = 1, 
     app = loader.load()
     app.prepare(host=host, port=port, workers=workers, access_log=access_log, motd=False)
     Sanic.serve(primary=app, app_loader=loader)
+
+
+def _install_reload(app: Sanic, reloader: Reloader) -> None:
+    """SIGHUP reloads at once; a poll catches renewed files. Either way only new connections see it."""
+    app.ctx.tls_reloader = reloader
+
+    async def poll() -> None:
+        while True:
+            await asyncio.sleep(TLS_POLL_S)
+            reloader.check()
+
+    @app.after_server_start
+    async def _start_tls_reload(app):
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGHUP, reloader.reload)
+        app.ctx.tls_poll = loop.create_task(poll())
+
+    @app.before_server_stop
+    async def _stop_tls_reload(app):
+        app.ctx.tls_poll.cancel()
+        asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
 
 
 def _with_drain(factory: Callable[[], Sanic], drain: float) -> Sanic:

@@ -12,6 +12,9 @@ from larql_edge.errors import WireError
 BINARY = "application/x-larql-ffn"
 BINARY_F16 = "application/x-larql-ffn-f16"
 JSON = "application/json"
+# On every reply of an FFN shard or embed server (and the router's walk replies): the id of the
+# vindex that answered (`larql_edge.service.identity.vindex_hash`). Replicas of a layer must agree.
+VINDEX_HEADER = "x-larql-vindex"
 
 
-__all__ = ["BINARY", "BINARY_F16", "JSON", "WireError"]
+__all__ = ["BINARY", "BINARY_F16", "JSON", "VINDEX_HEADER", "WireError"]

@@ -5,7 +5,10 @@
 - GET ``/v1/embed/{id}`` response: ``f32[hidden]``, no header.
 - POST ``/v1/logits`` request: ``f32[hidden]``, the residual before the final norm;
   raw-logits response: ``f32[vocab]``. Many rows (``?rows=N``): ``f32[N * hidden]``, answered
-  ``f32[N * vocab]`` (or top-k JSON per row).
+  ``f32[N * vocab]`` (or top-k JSON per row). With ``&masked=i,j,..`` (rows of that request, ascending)
+  the residuals are followed by one token bitmask per listed row, ``u32[ceil(vocab / 32)]`` each
+  (bit ``t % 32`` of word ``t // 32`` set: token t allowed; the layout of llguidance's and xgrammar's
+  bitmasks), applied to the row's logits before top-k (structured output).
 
 Decoders return numpy views of the body where they can (no copy) and raise `WireError` for any
 body whose length disagrees with its header or its element size.
@@ -120,6 +123,38 @@ def decode_logits_rows_request(body: bytes, rows: int, hidden: int) -> np.ndarra
     if len(body) != 4 * rows * hidden:
         raise WireError(f"logits rows request: {len(body) // 4} values, expected {rows} rows x hidden size {hidden}")
     return np.frombuffer(body, dtype=F32).reshape(rows, hidden)
+
+
+def mask_words(vocab: int) -> int:
+    """u32 words of one token bitmask (8192, 32 KB, for a 262,144-token vocabulary)."""
+    return (vocab + 31) // 32
+
+
+def encode_logits_masked_rows_request(rows: np.ndarray, masks: np.ndarray) -> bytes:
+    """Residuals, then the bitmasks (``[m, words]`` of 32-bit words) of the rows named by ``?masked=``."""
+    m = np.asarray(masks)
+    if m.ndim != 2 or m.dtype.itemsize != 4 or m.dtype.kind not in "iu":
+        raise WireError("token masks are [rows, words] of 32-bit words")
+    return encode_logits_rows_request(rows) + np.ascontiguousarray(m).view(U32).astype(U32, copy=False).tobytes()
+
+
+def decode_logits_masked_rows_request(body: bytes, rows: int, hidden: int, masked: int,
+                                      vocab: int) -> tuple[np.ndarray, np.ndarray]:
+    """-> (``f32[rows, hidden]`` residuals, ``u32[masked, words]`` bitmasks)."""
+    _aligned(body, "logits rows request")
+    words = mask_words(vocab)
+    want = 4 * (rows * hidden + masked * words)
+    if len(body) != want:
+        raise WireError(f"logits rows request: {len(body)} bytes, expected {rows} rows x hidden size {hidden} f32 and "
+                        f"{masked} token masks of {words} u32 words ({want} bytes)")
+    x = np.frombuffer(body, dtype=F32, count=rows * hidden).reshape(rows, hidden)
+    return x, np.frombuffer(body, dtype=U32, offset=4 * rows * hidden).reshape(masked, words)
+
+
+def allowed_tokens(masks: np.ndarray, vocab: int) -> np.ndarray:
+    """Bitmasks ``[m, words]`` -> booleans ``[m, vocab]`` (bits beyond the vocabulary ignored)."""
+    m = np.ascontiguousarray(masks).view(np.uint8)
+    return np.unpackbits(m, axis=-1, bitorder="little")[..., :vocab].view(bool)  # 0/1 bytes: a view, no copy
 
 
 def encode_logits_response(logits: np.ndarray) -> bytes:

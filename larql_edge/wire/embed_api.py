@@ -179,10 +179,16 @@ class EmbedApi:
             "(what binary requests use) and are checked there on every request; a JSON body's values win. "
             'Many rows (larql-serve\'s one request per decode step): a JSON body with "residuals" (a list of rows), '
             "or a binary body of rows x f32[hidden] with ?rows=N, answered with one top-k list per row under \"rows\" "
-            "(or raw f32[rows * vocab] with the binary Accept); all rows in one lm_head product; at most max_batch rows.",
+            "(or raw f32[rows * vocab] with the binary Accept); all rows in one lm_head product; at most max_batch rows. "
+            "Structured output: with ?masked=i,j (binary, with ?rows=N) the residuals are followed by one token bitmask "
+            "per listed row, u32[ceil(vocab / 32)] (bit t % 32 of word t // 32 set: token t allowed); a masked row's "
+            "other tokens are -inf before its top k (so fewer than top_k may be answered), log-probabilities are over "
+            "the allowed tokens.",
             "parameters": [
                 _q("rows", "Binary requests: the body holds this many residuals (the many-rows form)",
                    {"type": "integer", "minimum": 1, "maximum": int(self.limits.get("max_batch", 64))}),
+                _q("masked", "Binary many-rows requests: the rows (ascending, comma-separated) whose token bitmasks "
+                   "follow the residuals", {"type": "string", "pattern": "^[0-9]+(,[0-9]+)*$"}),
                 _q("top_k", "Binary requests (a JSON body's top_k wins)", dict(self.top_k(), default=5)),
                 _q("temperature", "Binary requests (a JSON body's temperature wins)", dict(self.temperature(), default=1.0)),
             ],

@@ -18,6 +18,7 @@ from larql_edge.format.vindex import Vindex
 from larql_edge.model.forward import Transformer
 from larql_edge.net.hops import HopLog
 from larql_edge.net.remote import RemoteSettings, add_path_flags, build_tiers
+from larql_edge.net.tls import add_tls_flags, settings_from_args
 
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
@@ -36,6 +37,7 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
           help="with an embed server that answers top-k JSON only (LARQL's): how many candidates to ask for")
     f.add("--retries", type=int, default=10, help="attempts beyond the first for a failed remote request "
           "(on the next replica, with exponential backoff capped at 2 s: ~15 s in all by default)")
+    add_tls_flags(f, server=False)
     add_path_flags(f)
 
 
@@ -43,6 +45,16 @@ def settings(args: argparse.Namespace) -> RemoteSettings:
     return RemoteSettings(ffn=args.ffn, embed=args.embed, ffn_f16=args.ffn_f16, timeout=args.timeout,
                           retries=args.retries, logits_top_k=args.logits_top_k, direct=args.direct, hedge=args.hedge,
                           hedge_budget=args.hedge_budget)
+
+
+def _patience() -> dict:
+    """A command line: a grid that is not up is an error at once, and every retry wait is a line on
+    stderr (the default budget spans ~15 s, which silent looks like a hang)."""
+
+    def say(line: str) -> None:
+        print(f"larql: {line}", file=sys.stderr, flush=True)
+
+    return {"on_retry": say, "refused_first_is_fatal": True}
 
 
 def build_model(args: argparse.Namespace, hops: HopLog | None = None):
@@ -56,6 +68,7 @@ def build_model(args: argparse.Namespace, hops: HopLog | None = None):
         threadpool_limits(threads)
     vx = Vindex.open(args.vindex)
     if remote:
+        settings_from_args(args)  # https:// tiers: verified against --tls-ca, with --tls-cert for mutual TLS
         return build_remote(vx, settings(args), hops), vx.load_tokenizer()
     return Transformer.local(vx), vx.load_tokenizer()
 
@@ -70,7 +83,7 @@ def build_remote(vx: Vindex, s: RemoteSettings, hops: HopLog | None = None) -> T
     spec = ModelSpec.from_index(vx.index)
     be = get_backend()
     tiers = build_tiers(s, spec.hidden_size, spec.num_layers, spec.vocab_size,
-                        notice=lambda text: print(f"larql: {text}", file=sys.stderr), hops=hops)
+                        notice=lambda text: print(f"larql: {text}", file=sys.stderr), hops=hops, **_patience())
     return Transformer(spec=spec, attn=load_attention(vx, spec, be), embedder=tiers.embedder,
                        ffn_provider=tiers.ffn if tiers.ffn is not None else LocalFfn(vx, spec, backend=be),
                        head=tiers.head, backend=be)

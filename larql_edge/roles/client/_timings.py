@@ -51,7 +51,7 @@ def report(tokens: list[TokenTime], hedges: dict | None = None) -> str:
              f" + {len(hops) / n:.0f} hops ({compute * 1e3:.2f} ms compute, {network * 1e3:.2f} ms network)"
              f" + other {other * 1e3:.2f} ms"]
     by: dict[tuple[int, str], list[Hop]] = defaultdict(list)
-    order = {"embed": -1, "ffn": 0, "logits": 1 << 20}
+    order = {"embed": -1, "ffn": 0, "logits": 1 << 20, "topology": 1 << 21}
     for h in hops:
         by[(order.get(h.tier, 0) + (h.layer or 0), _name(h))].append(h)
     for (_, name), hs in sorted(by.items()):
@@ -60,6 +60,6 @@ def report(tokens: list[TokenTime], hedges: dict | None = None) -> str:
         w = sum(h.network_s for h in hs) / len(hs) * 1e3
         extra = f" ({sum(h.hedged for h in hs)} hedged)" if any(h.hedged for h in hs) else ""
         lines.append(f"  {name + ':':<10} {url}  {c:.2f} ms compute, {w:.2f} ms network{extra}")
-    if hedges:
+    if hedges and hedges["hops"]:
         lines.append(f"  hedges: {hedges['hedges_sent']} sent, {hedges['hedges_won']} won, of {hedges['hops']} hedgeable hops")
     return "\n".join(lines)

@@ -15,7 +15,7 @@ import time
 
 from larql_edge.config import Flags
 from larql_edge.console import run_command
-from larql_edge.errors import LarqlError
+from larql_edge.errors import LarqlError, VindexError
 from larql_edge.roles.client._build import add_model_flags, build_model
 from larql_edge.roles.client._stream import TextStream
 from larql_edge.roles.client._timings import TokenTime, report
@@ -40,12 +40,21 @@ def build_parser() -> argparse.ArgumentParser:
     f.add("--max-tokens", type=int, default=32, help="at most this many new tokens")
     f.add("--temperature", type=float, default=0.0, help="0 = greedy; > 0 samples")
     f.add("--seed", type=int, default=None, help="sampling seed, for reproducible runs")
+    f.toggle("--speculate", default=True, help="speculative decoding: draft tokens (from the context's own n-grams, or "
+             "--draft), verify them all in one pass through the grid; the same greedy tokens, the same sampling "
+             "distribution, k adapts (0 while drafts keep failing)")
+    f.add("--spec-k", type=int, default=4, help=f"drafts per pass at most (1..{MAX_SPEC_K})")
+    f.add("--draft", default=None, metavar="VINDEX", help="draft with this small full vindex run whole here (same "
+          "tokenizer as --vindex; e.g. the q4k vindex of the same model) instead of n-gram lookup")
     f.switch("--timings", help="after the text, where each decoded token's time went: per hop (embed, every layer, "
              "logits) the server's compute and the network time, and the attention computed here (with --json: per token)")
     f.add("--metrics-file", default=None, metavar="FILE", help="write the per-tier time split as Prometheus text "
           "(larql_client_*) to FILE at the end (a node_exporter textfile collector reads it)")
     g.set_defaults(func=generate)
     return parser
+
+
+MAX_SPEC_K = 16
 
 
 def _encode(tok, prompt: str) -> list[int]:
@@ -81,44 +90,65 @@ def generate(args: argparse.Namespace) -> int:
         raise LarqlError("--max-tokens must be a positive integer")
     if not math.isfinite(args.temperature) or args.temperature < 0:
         raise LarqlError("--temperature must be a finite number >= 0")
+    if not 1 <= args.spec_k <= MAX_SPEC_K:
+        raise LarqlError(f"--spec-k must be between 1 and {MAX_SPEC_K}")
+    if args.draft and not args.speculate:
+        raise LarqlError("--draft drafts for speculative decoding: it cannot go with --no-speculate")
+    from larql_edge.model import speculative
     from larql_edge.net.hops import HopLog
 
     timed = args.timings or bool(args.metrics_file)
     hops = HopLog() if timed else None
     model, tok = build_model(args, hops)
     ids = _encode(tok, args.prompt)
+    drafter = build_drafter(args.draft, model, tok) if args.draft else None
     out: list[int] = []
     stream = TextStream(tok)
+    stats = speculative.SpecStats()
     times: list[TokenTime] = []
     t0 = time.perf_counter()
     if not args.json:
         sys.stdout.write(args.prompt)
         sys.stdout.flush()
     last, local = t0, model.local_s
-    for t in model.generate(ids, args.max_tokens, args.temperature, args.seed):
-        if hops is not None:
-            now = time.perf_counter()
-            times.append(TokenTime(now - last, model.local_s - local, hops.drain()))
-        out.append(t)
-        if not args.json:
-            sys.stdout.write(stream.push(t))
+    # With speculation a pass may yield several tokens: its time goes to the first, the rest cost ~0.
+    tokens = (speculative.generate(model, ids, args.max_tokens, args.temperature, args.seed, drafter=drafter,
+                                   max_k=args.spec_k, stats=stats)
+              if args.speculate else model.generate(ids, args.max_tokens, args.temperature, args.seed))
+    try:
+        for t in tokens:
+            if hops is not None:
+                now = time.perf_counter()
+                times.append(TokenTime(now - last, model.local_s - local, hops.drain()))
+            out.append(t)
+            if not args.json:
+                sys.stdout.write(stream.push(t))
+                sys.stdout.flush()
+            if hops is not None:
+                last, local = time.perf_counter(), model.local_s
+    except BaseException:
+        if not args.json:  # the error (or ^C) goes on a line of its own, not glued to the text
+            sys.stdout.write(stream.flush() + "\n")
             sys.stdout.flush()
-        if hops is not None:
-            last, local = time.perf_counter(), model.local_s
+        raise
     dt = time.perf_counter() - t0
     hedger = getattr(model.ffn_provider, "hedger", None)
     hedges = hedger.stats() if hedger is not None else None
     if args.metrics_file:
         _write_metrics(args.metrics_file, times, hedges)
     if args.json:
+        spec = ({"drafter": "model" if args.draft else "ngram", "passes": stats.passes, "drafted": stats.drafted,
+                 "accepted": stats.accepted} if args.speculate else None)
         body = {"prompt": args.prompt, "prompt_ids": ids, "generated_ids": out, "text": tok.decode(out),
-                "seconds": round(dt, 3)}
+                "seconds": round(dt, 3), "speculation": spec}
         if args.timings:
             body["timings"] = {"tokens": [t.as_json() for t in times], "hedges": hedges}
         print(json.dumps(body, ensure_ascii=False))
     else:
         sys.stdout.write(stream.flush() + "\n")
-        print(f"[{len(out)} tokens in {dt:.2f}s, {len(out) / dt:.1f} tok/s]", file=sys.stderr)
+        extra = (f", {stats.accepted}/{stats.drafted} drafts accepted, {stats.passes + 1} passes"
+                 if args.speculate else "")
+        print(f"[{len(out)} tokens in {dt:.2f}s, {len(out) / dt:.1f} tok/s{extra}]", file=sys.stderr)
         if args.timings:
             print(report(times, hedges), file=sys.stderr)
     return 0
@@ -138,6 +168,24 @@ def _write_metrics(path: str, times: list[TokenTime], hedges: dict | None) -> No
             f.write(m.render())
     except OSError as e:
         raise LarqlError(f"--metrics-file {path}: {e.strerror or e}") from None
+
+
+def build_drafter(path: str, model, tok):
+    """``--draft VINDEX``: a whole local model drafting for ``model``; refused unless it shares the tokenizer."""
+    from larql_edge.format.vindex import Vindex
+    from larql_edge.model.forward import Transformer
+    from larql_edge.model.speculative import ModelDrafter, check_draft_tokenizer
+
+    try:
+        vx = Vindex.open(path)
+    except VindexError as e:
+        raise VindexError(f"--draft: {e}") from None
+    try:
+        draft = Transformer.local(vx)
+    except VindexError as e:
+        raise VindexError(f"--draft {path}: a draft model runs whole here and needs a full vindex ({e})") from None
+    check_draft_tokenizer(tok, vx.load_tokenizer(), model.spec.vocab_size, draft.spec.vocab_size)
+    return ModelDrafter(draft)
 
 
 def main(argv: list[str] | None = None) -> int:

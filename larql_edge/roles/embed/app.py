@@ -98,7 +98,9 @@ def create_app(cfg: EmbedConfig) -> Sanic:
         return sum(m.batcher.pending for m in registry.models.values() if m.ready)
 
     hooks = Hooks(ready=lambda: ready(registry), stats=stats, inflight=inflight, openapi=openapi_spec())
-    app = make_app(APP_NAME, "embed", hooks, max_body=cfg.limits.max_body, access_log=cfg.access_log)
+    default_hash = vindex_hash(next(iter(registry.models.values())).vindex)  # the model the grid serves
+    app = make_app(APP_NAME, "embed", hooks, max_body=cfg.limits.max_body, access_log=cfg.access_log,
+                   identity=lambda: default_hash)
     app.ctx.cfg = cfg
     app.ctx.registry = registry
     app.ctx.embed_metrics = em = EmbedMetrics(app.ctx.metrics)
@@ -144,6 +146,7 @@ async def _load_models(app: Sanic, cfg: EmbedConfig, registry: ModelRegistry, em
     threading.Thread(target=work, name="load-models", daemon=True).start()
     if not await done:
         log.error("not ready: %s", registry.error)
+        app.ctx.failed = f"loading failed for good: {registry.error}"  # /v1/health: 503, so it is restarted
         return
     for m in registry.models.values():
         em.attach(m)

@@ -20,7 +20,8 @@ from larql_edge.config import Flags, cache_dir, export_blas_threads, positional_
 from larql_edge.errors import LarqlError
 from larql_edge.model.lm_head import HEAD_FORMATS
 from larql_edge.roles.embed.config import EmbedConfig, Limits, ModelSource, check_model_id, model_id_for
-from larql_edge.service import add_server_flags, serve, setup_logging
+from larql_edge.service import add_server_flags, serve, setup_logging, tls_settings
+from larql_edge.service.identity import add_verify_flag, verify_weights
 from larql_edge.service.membership import add_membership_flags, membership_settings
 
 
@@ -50,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     f.choice("--lm-head-format", choices=HEAD_FORMATS, default="auto",
              help="form the lm_head is multiplied in: auto = as stored (a quantized vindex's tied head as Q8_0), "
                   "or a q8_0 / f16 / f32 copy")
+    add_verify_flag(f)
     add_membership_flags(f)  # --join, --grid-key (secret), --public-url: register as capability "embed"
     return p
 
@@ -120,6 +122,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.batch_wait_ms < 0:
         parser.error("--batch-wait-ms must be >= 0")
     try:
+        tls = tls_settings(args)
+        if tls.serving and args.workers > 1:
+            raise ValueError("TLS with --workers > 1 is not supported: run one worker per process")
         grid = membership_settings(args, args.host, args.port)  # None without --join; messages never hold the key
         sources = _sources(items)
     except (LarqlError, ValueError) as e:  # an unreadable folder or a bad id: say it before binding anything
@@ -129,7 +134,14 @@ def main(argv: list[str] | None = None) -> int:
     if problems:
         print("larql-embed: cannot serve:\n  " + "\n  ".join(problems), file=sys.stderr)
         return 2
-    cfg = dataclasses.replace(config_from_args(args, sources), grid=grid)
+    from larql_edge.format.vindex import Vindex
+
+    try:  # before binding: a damaged file is refused at start, never served
+        weights = {s.id: verify_weights(Vindex.open(s.path), args.verify_weights).as_json() for s in sources}
+    except LarqlError as e:
+        print(f"larql-embed: {e}", file=sys.stderr)
+        return e.exit_code
+    cfg = dataclasses.replace(config_from_args(args, sources), grid=grid, weights=weights)
     # Workers are spawned processes: what they inherit must be in the environment before they start.
     export_blas_threads(cfg.blas_threads)
     from larql_edge.service.metrics import prepare_multiprocess
@@ -142,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     from larql_edge.roles.embed.app import create_app
 
     serve(partial(create_app, cfg), cfg.host, cfg.port, workers=cfg.workers, access_log=cfg.access_log,
-          drain=args.drain_seconds)
+          drain=args.drain_seconds, tls=tls)
     return 0
 
 

@@ -54,6 +54,7 @@ class EmbedConfig:
     embed_only: bool = False
     access_log: bool = False
     limits: Limits = field(default_factory=Limits)
+    weights: dict[str, dict] = field(default_factory=dict)  # model id -> what --verify-weights did (/v1/stats)
     grid: GridSettings | None = field(default=None, repr=False)  # holds the grid key: never print or serialise it
 
     @property

@@ -165,6 +165,11 @@ class EmbeddingStore:
         if ids.size <= self.VECTOR_THRESHOLD:
             return [self.row_bytes(int(i)) for i in ids.tolist()]
         self.cache.count_many(ids)
+        return self.gather(ids)
+
+    def gather(self, ids: np.ndarray) -> bytes:
+        """The rows of ``ids`` as one f32 block, read and scaled without the hot cache (which is the
+        event loop's): what may run in the compute thread for a long request."""
         block = self.table[ids].astype(np.float32)
         block *= self.scale
         return block.tobytes()

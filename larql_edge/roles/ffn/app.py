@@ -32,6 +32,7 @@ def create_app(shard: Shard, name: str = "larql_ffn") -> Sanic:
             "inflight": app.ctx.compute.inflight,
             "layer_latency_ms": {str(k): round(v, 3) for k, v in sorted(shard.latency_ms.items())},
             "load_seconds": round(shard.load_seconds, 3),
+            "weights_verified": shard.weights.as_json(),
             "uptime_seconds": round(time.time() - shard.started, 1),
             "memory_mb": round(rss_bytes() / 2**20, 1),
             "limits": shard.limits.as_json(shard),
@@ -44,7 +45,7 @@ def create_app(shard: Shard, name: str = "larql_ffn") -> Sanic:
         inflight=lambda: app.ctx.compute.inflight,
         openapi=openapi_spec(),
     )
-    app = make_app(name, "ffn", hooks, max_body=shard.max_body)
+    app = make_app(name, "ffn", hooks, max_body=shard.max_body, identity=lambda: shard.vindex_hash)
     app.ctx.shard = shard
     app.blueprint(walk_bp)
     metrics = app.ctx.metrics

@@ -13,7 +13,8 @@ import sys
 from larql_edge.config import Flags, positional_list_from_env
 from larql_edge.errors import LarqlError
 from larql_edge.format.layers import LayerRange
-from larql_edge.service import add_server_flags, pin_blas, serve, setup_logging
+from larql_edge.service import add_server_flags, pin_blas, serve, setup_logging, tls_settings
+from larql_edge.service.identity import add_verify_flag
 from larql_edge.service.membership import add_membership_flags, install_membership, membership_settings
 
 log = logging.getLogger("larql.ffn")
@@ -30,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     f.add("--max-rows", type=int, default=d.max_rows, help="most positions per request (413 above)")
     f.add("--max-reply-bytes", type=int, default=d.max_reply_bytes, help="largest reply a request may ask for (413 above)")
     add_server_flags(f, port=8080)
+    add_verify_flag(f)
     add_membership_flags(f)
     return p
 
@@ -45,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--max-rows and --max-reply-bytes must be >= 1")
     try:
         layers = LayerRange.parse(args.layers) if args.layers else None
+        tls = tls_settings(args)
         grid = membership_settings(args, args.host, args.port)
     except (ValueError, LarqlError) as e:
         parser.error(str(e))
@@ -53,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     from larql_edge.roles.ffn.shard import Limits, Shard
 
     try:
-        shard = Shard(paths[0], layers, limits=Limits(max_rows=args.max_rows, max_reply_bytes=args.max_reply_bytes))
+        shard = Shard(paths[0], layers, limits=Limits(max_rows=args.max_rows, max_reply_bytes=args.max_reply_bytes),
+                      verify=args.verify_weights)
     except LarqlError as e:
         print(f"larql-ffn: error: {e}", file=sys.stderr)
         return e.exit_code
@@ -63,9 +67,10 @@ def main(argv: list[str] | None = None) -> int:
         install_membership(app, grid, "ffn", lambda: shard.describe(app.ctx.compute.inflight))
         return app
 
-    log.info("larql-ffn: %s layers %s (%d of %d) loaded in %.2fs; listening on http://%s:%d",
-             shard.model, shard.range, len(shard.range), shard.spec.num_layers, shard.load_seconds, args.host, args.port)
-    serve(factory, args.host, args.port, access_log=args.access_log, drain=args.drain_seconds)
+    log.info("larql-ffn: %s layers %s (%d of %d) loaded in %.2fs; listening on %s://%s:%d",
+             shard.model, shard.range, len(shard.range), shard.spec.num_layers, shard.load_seconds,
+             "https" if tls.serving else "http", args.host, args.port)
+    serve(factory, args.host, args.port, access_log=args.access_log, drain=args.drain_seconds, tls=tls)
     return 0
 
 

@@ -50,6 +50,13 @@ def openapi_spec(stats: dict | None = None) -> dict:
                 "inflight": integer,
                 "layer_latency_ms": {"type": "object", "additionalProperties": number},
                 "load_seconds": number,
+                "weights_verified": {
+                    "type": "object",
+                    "description": "What --verify-weights did at start: checksums checked, how long it took, "
+                                   "how many bytes the vindex's checksummed files hold",
+                    "properties": {"verified": {"type": "boolean"}, "seconds": {"type": ["number", "null"]},
+                                   "bytes": integer},
+                },
                 "uptime_seconds": number,
                 "memory_mb": number,
                 "limits": {

@@ -15,7 +15,7 @@ from larql_edge.format.vindex import Vindex
 from larql_edge.model.backend import Backend, get_backend
 from larql_edge.model.forward import LocalFfn
 from larql_edge.model.spec import ModelSpec
-from larql_edge.service.identity import vindex_hash
+from larql_edge.service.identity import WeightsCheck, verify_weights, vindex_hash
 from larql_edge.wire import ffn as wire
 
 # Exponential moving average weight for per-layer latency: recent enough to follow load changes.
@@ -44,8 +44,10 @@ class Limits:
 
 class Shard:
     def __init__(self, vindex: str | Path, layers: LayerRange | None, backend: Backend | None = None,
-                 limits: Limits | None = None):
+                 limits: Limits | None = None, verify: str = "off"):
+        """``verify``: ``--verify-weights`` (auto, on, off): checksums before anything is loaded."""
         self.vx = Vindex.open(vindex)
+        self.weights: WeightsCheck = verify_weights(self.vx, verify)
         self.spec = ModelSpec.from_index(self.vx.index)
         n = self.spec.num_layers
         self.range = layers if layers is not None else LayerRange(0, n - 1)

@@ -96,7 +96,7 @@ def create_app(registry: Registry, grid_key: str, limits: Limits | None = None, 
     async def _tasks(app_):
         app_.ctx.housekeeping = asyncio.get_running_loop().create_task(_housekeeping(app_, registry, metrics))
 
-    @app.before_server_stop
+    @app.after_server_stop  # after the drain: a walk still in flight keeps its upstream connections
     async def _close(app_):
         task = getattr(app_.ctx, "housekeeping", None)
         if task is not None:

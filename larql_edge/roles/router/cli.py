@@ -13,7 +13,7 @@ import sys
 
 from larql_edge.config import Flags
 from larql_edge.errors import LarqlError
-from larql_edge.service import add_server_flags, pin_blas, serve, setup_logging
+from larql_edge.service import add_server_flags, pin_blas, serve, setup_logging, tls_settings
 from larql_edge.wire.grid import check_url, parse_targets
 
 log = logging.getLogger("larql.router")
@@ -52,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.upstream_timeout <= 0 or args.max_body < 1 or args.max_reply_bytes < 1 or args.upstream_ms_per_row < 0:
         parser.error("--upstream-timeout, --max-body and --max-reply-bytes must be positive, --upstream-ms-per-row >= 0")
     try:
+        tls = tls_settings(args)
         shards = parse_targets(args.shards, "--shards")
         embeds = [check_url(u.strip(), "--embed") for u in args.embed.split(",") if u.strip()]
     except (ValueError, LarqlError) as e:
@@ -68,10 +69,10 @@ def main(argv: list[str] | None = None) -> int:
         registry.add_static("embed", url)
     limits = Limits(max_body=args.max_body, max_reply_bytes=args.max_reply_bytes, upstream_timeout=args.upstream_timeout,
                     upstream_ms_per_row=args.upstream_ms_per_row)
-    log.info("larql-router listening on http://%s:%d (%d static shards, %d static embed)",
-             args.host, args.port, len(shards), len(embeds))
+    log.info("larql-router listening on %s://%s:%d (%d static shards, %d static embed)",
+             "https" if tls.serving else "http", args.host, args.port, len(shards), len(embeds))
     serve(lambda: create_app(registry, args.grid_key, limits), args.host, args.port, access_log=args.access_log,
-          drain=args.drain_seconds)
+          drain=args.drain_seconds, tls=tls)
     return 0
 
 

@@ -25,7 +25,7 @@ from .registry import model_facts
 log = logging.getLogger("larql.router")
 
 bp = Blueprint("grid")
-PROBE_TIMEOUT_S = 3.0
+PROBE_TIMEOUT_S = 5.0  # per request: a member 0.75 s away needs 3 s for a new connection's first reply
 
 
 def _authorize(request: Request, what: str) -> None:

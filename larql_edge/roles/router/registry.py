@@ -107,6 +107,17 @@ class Member:
         }
 
 
+def _same_slot(a: Announce, m: "Member") -> bool:
+    """Would ``a`` answer what ``m`` answers: FFN members with overlapping layers, or two embed members."""
+    if a.capability != m.capability:
+        return False
+    if a.capability != "ffn":
+        return True
+    if a.layer_start is None or a.layer_end is None or m.layers is None:
+        return True  # a member serving every layer overlaps every range
+    return a.layer_start <= m.layers.end and m.layers.start <= a.layer_end
+
+
 class Registry:
     def __init__(self, heartbeat_interval: float = 2.0, evict_after: float | None = None,
                  clock: Callable[[], float] = time.monotonic):
@@ -133,6 +144,13 @@ class Registry:
                 raise Conflict(f"hidden size {a.hidden_size} does not match the grid's {m.hidden_size}")
             if a.num_layers and m.num_layers and a.num_layers != m.num_layers:
                 raise Conflict(f"num_layers {a.num_layers} does not match the grid's {m.num_layers}")
+            if a.vindex_hash and m.vindex_hash and a.vindex_hash != m.vindex_hash and _same_slot(a, m):
+                # One model identity: replicas answer interchangeably, so they must hold the same
+                # files (a q4k build beside f16 ones gives a different text for the same request).
+                what = f"layers {a.layer_start}-{a.layer_end}" if a.capability == "ffn" else "the embed tier"
+                raise Conflict(f"the member serves vindex {a.vindex_hash} for {what}, but {m.url} serves vindex "
+                               f"{m.vindex_hash} there: replicas must serve the same files (same dtype, quantization "
+                               f"and extraction); stop the other build's members first")
 
     def check_join(self, a: Announce) -> None:
         """Refuse a member that does not fit the grid, or that claims a URL a live member has (a key

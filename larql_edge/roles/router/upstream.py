@@ -8,19 +8,23 @@ replies. Replies are bounded in size (an oversize one is the member's failure, r
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import time
 
-from larql_edge.errors import BadRequest
+from larql_edge.errors import BadRequest, MemberSilent
 from larql_edge.net.failures import is_member_failure
 from larql_edge.net.h1 import Reply, TransportError, describe, error_text
 from larql_edge.net.h1_async import H1Pool
 from larql_edge.roles.router.registry import Member, Registry
+from larql_edge.wire import VINDEX_HEADER
 
 log = logging.getLogger("larql.router")
 
 FORWARD_REQUEST_HEADERS = ("content-type", "accept", "if-none-match", "accept-encoding")
-FORWARD_REPLY_HEADERS = ("content-type", "etag", "cache-control", "vary", "last-modified", "content-encoding")
+FORWARD_REPLY_HEADERS = ("content-type", "etag", "cache-control", "vary", "last-modified", "content-encoding",
+                         VINDEX_HEADER)
 
 
 class MemberFailed(Exception):
@@ -52,8 +56,9 @@ class Upstream:
         self.inflight += 1
         t0 = time.perf_counter()
         try:
-            r = await self.pool.request(method, url, content=content, headers=headers, max_body=self.max_reply,
-                                        timeout=timeout)
+            call = self.pool.request(method, url, content=content, headers=headers, max_body=self.max_reply,
+                                     timeout=timeout)
+            r = await (call if m.static else self._unless_silent(m, call))
         except TransportError as e:
             self._failed(m, f"{type(e).__name__}")
             raise MemberFailed(m, f"{m.url}: {describe(e)}") from None
@@ -68,6 +73,26 @@ class Upstream:
             raise MemberFailed(m, f"{m.url}: HTTP {r.status_code} {error_text(r, 200)}".rstrip())
         self.registry.succeeded(m, dt * 1e3)
         return r
+
+    async def _unless_silent(self, m: Member, call) -> Reply:
+        """``call``'s reply, unless the member stops heartbeating first (frozen: SIGSTOP, a hung host):
+        then it is failed at the registry's eviction age, not after the whole hop timeout (12-17 s of
+        stalled generation). A member computing a long request still heartbeats from its event loop."""
+        task = asyncio.ensure_future(call)
+        reg = self.registry
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=min(0.5, reg.heartbeat_interval / 2))
+                if done:
+                    return task.result()
+                silent = reg.clock() - m.last_seen
+                if silent > reg.evict_after:
+                    raise MemberSilent(f"no heartbeat for {silent:.1f} s")
+        finally:
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
 
     def malformed(self, m: Member, why: str) -> MemberFailed:
         """A reply with a good status and a bad body is the member's failure too."""

@@ -15,6 +15,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
+import numpy as np
 from sanic import Blueprint
 from sanic.request import Request
 from sanic.response import HTTPResponse, json, raw
@@ -24,6 +25,7 @@ from larql_edge.net.h1 import Reply
 from larql_edge.roles.router.registry import Member, Registry
 from larql_edge.roles.router.upstream import MemberFailed, forward_headers
 from larql_edge.service import JSON_KIND, body_kind, parse_json
+from larql_edge.wire import VINDEX_HEADER
 from larql_edge.wire import ffn as wire
 from larql_edge.wire.numbers import json_int
 
@@ -164,10 +166,13 @@ async def _walk_single(ctx, body: bytes, headers: dict) -> HTTPResponse:
                 raise upstream.malformed(m, f"malformed reply ({e})") from None
             if got != layer or out.shape[0] * hidden * 4 != len(body) - 16:
                 raise upstream.malformed(m, f"the reply is for layer {got} with {out.shape[0]} rows")
+            if not np.isfinite(out).all():  # damaged weights: the member's failure, never the caller's
+                raise upstream.malformed(m, f"non-finite values in its layer {layer} reply")
         return [r]
 
     r = (await dispatch(registry, [layer], send, ctx.metrics))[0]
-    return raw(r.content, content_type=r.headers.get("content-type", wire.CONTENT_TYPE))
+    ident = {VINDEX_HEADER: r.headers[VINDEX_HEADER]} if VINDEX_HEADER in r.headers else None
+    return raw(r.content, content_type=r.headers.get("content-type", wire.CONTENT_TYPE), headers=ident)
 
 
 async def _walk_batch(ctx, body: bytes, headers: dict) -> HTTPResponse:
@@ -176,6 +181,7 @@ async def _walk_batch(ctx, body: bytes, headers: dict) -> HTTPResponse:
     layers, tail = wire.split_batch_request(body)
     _check_request(ctx, layers, len(tail) - 12)
     f16_box: list[bool] = []
+    idents: set[str] = set()
 
     async def send(m: Member, pos: list[int]) -> list:
         mine = [layers[p] for p in pos]
@@ -190,13 +196,19 @@ async def _walk_batch(ctx, body: bytes, headers: dict) -> HTTPResponse:
             raise upstream.malformed(m, f"malformed batch reply ({e})") from None
         if [it[0] for it in items] != mine:
             raise upstream.malformed(m, f"batch reply does not answer layers {mine}")
+        dtype = wire.value_dtype(f16)
+        if not all(np.isfinite(np.frombuffer(it[2], dtype)).all() for it in items):
+            raise upstream.malformed(m, f"non-finite values in its reply for layers {mine}")
         f16_box.append(f16)
+        if VINDEX_HEADER in r.headers:
+            idents.add(r.headers[VINDEX_HEADER])
         return items
 
     got = await dispatch(registry, layers, send, ctx.metrics)
     f16 = bool(f16_box and f16_box[0])
     merged = wire.frame_batch([got[p] for p in range(len(layers))], (time.perf_counter() - t0) * 1e3, f16)
-    return raw(merged, content_type=wire.reply_content_type(f16))
+    return raw(merged, content_type=wire.reply_content_type(f16),
+               headers={VINDEX_HEADER: ",".join(sorted(idents))} if idents else None)
 
 
 async def _walk_json(ctx, body: bytes, headers: dict) -> HTTPResponse:

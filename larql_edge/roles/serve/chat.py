@@ -1,5 +1,6 @@
 """The chat template: the model's own (``tokenizer_config.json`` in the vindex, as the extractor writes
-it from GGUF ``tokenizer.chat_template`` or a Hugging Face folder), or ``--chat-template FILE``.
+it from GGUF ``tokenizer.chat_template`` or a Hugging Face folder), or ``--chat-template FILE``, else
+its family's built-in one (`chat_defaults`).
 
 Rendered as Hugging Face transformers renders it (``apply_chat_template``): a sandboxed, immutable
 Jinja2 environment with ``trim_blocks``/``lstrip_blocks``, ``raise_exception``, and the variables
@@ -29,6 +30,7 @@ class ChatTemplate:
     bos_token: str | None = None
     eos_token: str | None = None
     origin: str = ""
+    end_of_turn: str | None = None  # a built-in template's turn end, which replies also stop at
 
     def __post_init__(self) -> None:
         from jinja2.exceptions import TemplateError
@@ -41,12 +43,16 @@ class ChatTemplate:
         except TemplateError as e:
             raise SetupError(f"chat template ({self.origin}) does not compile: {e}") from None
 
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+               tools: list[dict[str, Any]] | None = None) -> str:
+        """``tools``: the request's tools, as transformers passes them (absent from the context when None)."""
         from jinja2.exceptions import TemplateError
 
+        extra = {} if tools is None else {"tools": tools}
         try:
             return self._template.render(messages=messages, bos_token=self.bos_token or "",
-                                         eos_token=self.eos_token or "", add_generation_prompt=add_generation_prompt)
+                                         eos_token=self.eos_token or "", add_generation_prompt=add_generation_prompt,
+                                         **extra)
         except TemplateError as e:
             raise BadRequest(f"the chat template refused these messages: {e}") from None
         except (TypeError, ValueError, KeyError, AttributeError, IndexError) as e:  # a template's own mistakes on odd input
@@ -60,8 +66,9 @@ def _token_text(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def load_chat_template(vindex: Path, override: str | None) -> ChatTemplate | None:
-    """``override`` (a file path) wins; else the vindex's tokenizer_config.json; else None."""
+def load_chat_template(vindex: Path, override: str | None, tokenizer=None, family: str = "") -> ChatTemplate | None:
+    """``override`` (a file path) wins; else the vindex's tokenizer_config.json; else the built-in
+    template of ``family`` when ``tokenizer`` has its tokens; else None."""
     cfg: dict[str, Any] = {}
     cfg_path = Path(vindex) / "tokenizer_config.json"
     if cfg_path.is_file():
@@ -83,7 +90,13 @@ def load_chat_template(vindex: Path, override: str | None) -> ChatTemplate | Non
         named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
         source = named.get("default") or next(iter(named.values()), None)
     if not isinstance(source, str) or not source.strip():
-        return None
+        from .chat_defaults import default_chat
+
+        builtin = default_chat(family, tokenizer) if tokenizer is not None else None
+        if builtin is None:
+            return None
+        return ChatTemplate(builtin.source, bos, eos, origin=f"built-in {builtin.name} template",
+                            end_of_turn=builtin.end_of_turn)
     return ChatTemplate(source, bos, eos, origin=str(cfg_path))
 
 

@@ -4,15 +4,19 @@ The committed copy ``openapi/serve.json`` is ``openapi_spec()`` (a test keeps th
 that every route is described); regenerate it with
 ``python -m larql_edge.roles.serve.openapi > openapi/serve.json``. ``openapi_spec(stats)``, given a
 running server's ``/v1/stats``, also bounds what depends on the deployment (token ids below the
-vocabulary; prompts and messages short enough for the context, tokens being at most 4 per character),
+vocabulary, fewer than the context),
 which is what the schemathesis test runs against. The request and reply bodies are
-OpenAI's (https://platform.openai.com/docs/api-reference); only what larql-serve takes is listed.
+OpenAI's (https://platform.openai.com/docs/api-reference); the request schemas are generated from the
+typed models that validate the requests (`larql_edge.roles.serve.api`), so the two cannot disagree.
 """
 
 from __future__ import annotations
 
 from larql_edge.wire import JSON
 from larql_edge.wire.openapi import document, main, ops_paths, ref
+
+from .api import request_schemas
+from .auth import OPEN_PATHS
 
 OPENAI_ERROR = {
     "type": "object",
@@ -21,30 +25,7 @@ OPENAI_ERROR = {
         "message": {"type": "string"}, "type": {"type": "string"},
         "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}},
 }
-_integer, _number, _string, _bool = {"type": "integer"}, {"type": "number"}, {"type": "string"}, {"type": "boolean"}
-def _n(schema: dict) -> dict:
-    """Nullable: larql-serve takes null as "not given" (the default), as the OpenAI API does."""
-    if "type" in schema:
-        t = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
-        return dict(schema, type=[*t, "null"])
-    return {"anyOf": [schema, {"type": "null"}]}
-
-
-_stop_item = {"type": "string", "minLength": 1}
-_stop = {"oneOf": [_stop_item, {"type": "array", "items": _stop_item, "maxItems": 4}, {"type": "null"}]}
-_MAX_TOKENS = {"type": "integer", "minimum": 1, "maximum": 1 << 30,
-               "description": "At most this many tokens (never beyond the context)"}
-_COMMON = {
-    "model": _n(_string),
-    "max_tokens": _n(_MAX_TOKENS),
-    "temperature": _n({"type": "number", "minimum": 0, "maximum": 2}),
-    "top_p": _n({"type": "number", "minimum": 0, "maximum": 1}),
-    "seed": _n({"type": "integer", "minimum": -(2**63), "maximum": 2**64 - 1}),
-    "stop": _stop,
-    "n": {"enum": [1, None]},
-    "stream": _n(_bool),
-    "stream_options": _n({"type": "object", "properties": {"include_usage": _n(_bool)}}),
-}
+_integer, _string = {"type": "integer"}, {"type": "string"}
 SSE_EVENT = {"type": "object", "required": ["data"], "properties": {"data": {
     "type": "string", "description": "A chunk object as JSON (text_completion / chat.completion.chunk), or [DONE] last"}}}
 USAGE = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
@@ -72,31 +53,31 @@ def _op(op_id: str, summary: str, request: str, reply: str) -> dict:
     }}
 
 
-def _prompt(stats: dict | None) -> dict:
-    text: dict = {"type": "string", "minLength": 1}
-    item: dict = {"type": "integer", "minimum": 0}
-    ids: dict = {"type": "array", "items": item, "minItems": 1}
-    if stats is not None:
-        ctx = int(stats["limits"]["context"])
-        text["maxLength"] = max(1, (ctx - 2) // 4)
-        item["maximum"] = int(stats["vocab_size"]) - 1
-        ids["maxItems"] = ctx - 1
-    return {"oneOf": [text, {"type": "array", "items": text, "minItems": 1, "maxItems": 1}, ids]}
+def _simple(op_id: str, summary: str, request: str, reply: str) -> dict:
+    return {"post": {
+        "summary": summary, "operationId": op_id, "tags": ["openai"],
+        "requestBody": {"required": True, "content": {JSON: {"schema": ref(request)}}},
+        "responses": {"200": {"description": "Done", "content": {JSON: {"schema": ref(reply)}}},
+                      "400": _err("A bad parameter (param names it)"), "404": _err("Unknown model"),
+                      "413": _err("A body over max_body_bytes"), "415": _err("Not application/json")}}}
 
 
-def _messages(stats: dict | None) -> dict:
-    short = {"type": "string"}
-    out: dict = {"type": "array", "minItems": 1, "items": {
-        "type": "object", "required": ["role"], "properties": {"role": short, "content": {"type": ["string", "null"]}}}}
-    if stats is not None:  # what the chat template adds is unknown here: a generous share of the context
-        n = max(1, int(stats["limits"]["context"]) // 128)
-        out["maxItems"] = n
-        out["items"]["properties"] = {"role": {"type": "string", "maxLength": 8},
-                                      "content": {"type": ["string", "null"], "maxLength": 8}}
-    return out
+def _bounded(schemas: dict, stats: dict) -> None:
+    """What depends on the deployment, as constraints: token ids below the vocabulary, fewer ids than
+    the context. Text is not bounded: its length in tokens is the tokenizer's (and, for messages, the
+    chat template's), so a schema-valid request may still be a 400 context_length_exceeded."""
+    ctx, vocab = int(stats["limits"]["context"]), int(stats["vocab_size"])
+    schemas["DetokenizeRequest"]["properties"]["tokens"]["items"]["maximum"] = vocab - 1
+    for alt in schemas["CompletionRequest"]["properties"]["prompt"]["anyOf"]:
+        if alt["type"] == "array" and alt["items"]["type"] == "integer":
+            alt["items"]["maximum"] = vocab - 1
+            alt["maxItems"] = ctx - 1
 
 
 def openapi_spec(stats: dict | None = None) -> dict:
+    requests = request_schemas()  # from the models that validate the requests (api.py)
+    if stats is not None:
+        _bounded(requests, stats)
     paths = {
         "/v1/completions": _op("completions", "Complete a prompt", "CompletionRequest", "Completion"),
         "/v1/chat/completions": _op("chatCompletions", "Answer chat messages (the model's chat template)",
@@ -105,22 +86,46 @@ def openapi_spec(stats: dict | None = None) -> dict:
                                "responses": {"200": {"description": "One model",
                                                      "content": {JSON: {"schema": ref("Models")}}}}}},
     }
+    paths["/v1/models/{model_id}"] = {"get": {
+        "summary": "One model: its context length (max_model_len) and the grid it runs on", "operationId": "model",
+        "tags": ["openai"], "parameters": [{"name": "model_id", "in": "path", "required": True,
+                                            "schema": {"type": "string"}}],
+        "responses": {"200": {"description": "The model", "content": {JSON: {"schema": ref("Model")}}},
+                      "401": _err("No API key, or a wrong one (with --api-key)"), "404": _err("Unknown model")}}}
+    paths["/tokenize"] = _simple("tokenize", "Text, or chat messages through the template, to token ids "
+                                 "(llama.cpp's and vLLM's bodies)", "TokenizeRequest", "Tokenized")
+    paths["/detokenize"] = _simple("detokenize", "Token ids to text (content: llama.cpp's key; prompt: vLLM's)",
+                                   "DetokenizeRequest", "Detokenized")
     paths.update(ops_paths("serve", ref("Ready"), ref("Stats"), "Loading"))
+    # With --api-key, every route but these needs the key: the document says the key is optional ({}),
+    # a deployment's (stats) says what that server does.
+    security: list[dict] = [{"apiKey": []}] if stats and stats.get("api_keys") else [{}] if stats else [{}, {"apiKey": []}]
+    for path, ops in paths.items():
+        if path not in OPEN_PATHS:
+            for op in ops.values():
+                op["security"] = security
+                op["responses"].setdefault("401", _err("No API key, or a wrong one (with --api-key)"))
     schemas = {
         "OpenAIError": OPENAI_ERROR,
-        "CompletionRequest": {"type": "object", "required": ["prompt"], "properties": _COMMON | {
-            "prompt": _prompt(stats),
-            "logprobs": {"type": ["integer", "null"], "minimum": 0, "maximum": 5}}},
-        "ChatCompletionRequest": {"type": "object", "required": ["messages"], "properties": _COMMON | {
-            "max_completion_tokens": _n(_MAX_TOKENS),
-            "messages": _messages(stats),
-            "logprobs": _n(_bool), "top_logprobs": _n({"type": "integer", "minimum": 0, "maximum": 20})}},
+        **requests,
         "Completion": {"type": "object", "required": ["id", "object", "created", "model", "choices", "usage"],
                        "properties": {"id": _string, "object": {"const": "text_completion"}, "created": _integer,
                                       "model": _string, "choices": {"type": "array"}, "usage": USAGE}},
         "ChatCompletion": {"type": "object", "required": ["id", "object", "created", "model", "choices", "usage"],
                            "properties": {"id": _string, "object": {"const": "chat.completion"}, "created": _integer,
                                           "model": _string, "choices": {"type": "array"}, "usage": USAGE}},
+        "Model": {"type": "object", "required": ["id", "object", "created", "owned_by", "max_model_len", "grid"],
+                  "properties": {"id": _string, "object": {"const": "model"}, "created": _integer,
+                                 "owned_by": _string, "max_model_len": _integer, "context_length": _integer,
+                                 "vocab_size": _integer, "aliases": {"type": "array", "items": _string},
+                                 "grid": {"type": "object"}}},
+        "Tokenized": {"type": "object", "required": ["tokens", "count", "max_model_len"], "properties": {
+            "tokens": {"type": "array", "items": {"anyOf": [_integer, {
+                "type": "object", "required": ["id", "piece"], "properties": {"id": _integer, "piece": _string}}]}},
+            "count": _integer, "max_model_len": _integer,
+            "token_strs": {"type": "array", "items": {"type": ["string", "null"]}}}},
+        "Detokenized": {"type": "object", "required": ["content", "prompt"],
+                        "properties": {"content": _string, "prompt": _string}},
         "Models": {"type": "object", "required": ["object", "data"],
                    "properties": {"object": {"const": "list"}, "data": {"type": "array"}}},
         "Ready": {"type": "object", "required": ["ready", "model"],
@@ -135,6 +140,9 @@ def openapi_spec(stats: dict | None = None) -> dict:
     doc["info"]["description"] = (
         "An OpenAI-compatible API in front of a larql-edge grid, with continuous batching. Every error is "
         '{"error": {"message", "type", "param", "code"}} (OpenAI\'s format).')
+    doc["components"]["securitySchemes"]["apiKey"] = {
+        "type": "http", "scheme": "bearer",
+        "description": "With --api-key: one of its keys (a 401 otherwise, before the body is read)"}
     return doc
 
 

@@ -9,8 +9,17 @@
   step's ``step_tokens`` budget (a long prompt is prefilled in chunks over several steps, so it never
   stalls the others' decoding for more than one chunk); `BatchEngine.step` runs them all as one
   stack of rows (one FFN request per layer, one logits request).
+- Speculation (`larql_edge.model.speculative`, on by default): a decoding sequence's chunk is its
+  last token plus up to k n-gram drafts (k adaptive per sequence, 0 while drafts keep failing); the
+  head returns the top candidates after each of those rows and the drafts are accepted (greedy: the
+  same tokens; sampling: the speculative-sampling rule, the same distribution), the KV cache rolled
+  back past the first rejected one. Sequences with and without drafts share one step.
 - Sampling is local, on the top ``k`` log-probabilities the head returns (k = 64, or more for
   ``top_logprobs``): greedy takes the first (exact), otherwise temperature then top-p over those k.
+- Structured output: a sequence with a grammar (`structured.Constraint`) sends its allowed-token
+  bitmask with its row; the head's top k are then among the allowed tokens only, so whatever is
+  sampled keeps the grammar satisfiable. The grammar takes each token; when nothing but the end can
+  follow, the sequence stops (``stop``) without spending a step on the end-of-sequence token.
 - Text: the generated ids are re-decoded as a whole; text is released only when it cannot be the
   start of a stop string (stop strings are matched across token boundaries, and the text ends before
   the stop string), nor a character still incomplete (byte-fallback tokenizers).
@@ -35,6 +44,8 @@ import numpy as np
 
 from larql_edge.errors import LarqlError, ServiceUnavailable, TooManyRequests
 from larql_edge.model.batch import BatchEngine, Chunk, SeqCache
+from larql_edge.model.prefix_cache import PrefixCache
+from larql_edge.model.speculative import SeqSpeculator, Settings
 
 log = logging.getLogger("larql.serve")
 
@@ -50,6 +61,24 @@ class Params:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     logprobs: int | None = None  # None: no logprobs; n: the chosen token's and the top n
+    # The sampling controls, on the head's candidates (see `sample`).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    top_k: int = 0  # 0: off
+    min_p: float = 0.0
+
+    @property
+    def adjusts(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias)
+
+    def candidates(self) -> int:
+        """How many candidates the head must return for this sequence."""
+        k = 1 if self.temperature < MIN_TEMPERATURE and not self.adjusts else HEAD_TOP_K
+        # A banned token is never drawn: at least one candidate beyond every biased id survives.
+        return max(k, self.top_k, len(self.logit_bias) + 1, (self.logprobs or 0) + 1)
 
 
 @dataclass
@@ -67,46 +96,94 @@ class Event:
     tokens: list[TokenInfo] = field(default_factory=list)
     finish_reason: str | None = None
     error: BaseException | None = None
+    index: int = 0  # which of a request's n sequences
 
 
 class Seq:
     _next = 0
 
-    def __init__(self, prompt_ids: Sequence[int], params: Params, loop: asyncio.AbstractEventLoop):
+    def __init__(self, prompt_ids: Sequence[int], params: Params, loop: asyncio.AbstractEventLoop,
+                 events: asyncio.Queue[Event] | None = None, index: int = 0, constraint: Any = None):
+        """``events``: a request's n sequences post to one queue, each event carrying its ``index``;
+        ``constraint``: its own `structured.Constraint` (never shared between sequences), or None."""
         Seq._next += 1
+        self.constraint = constraint  # a structured.Constraint, or None
         self.id = Seq._next
+        self.index = index
         self.prompt = list(prompt_ids)
         self.params = params
         self.loop = loop
-        self.events: asyncio.Queue[Event] = asyncio.Queue()
+        self.events: asyncio.Queue[Event] = asyncio.Queue() if events is None else events
         self.cache: SeqCache | None = None
         self.fed = 0  # prompt tokens already in the cache
         self.generated: list[int] = []
         self.pending_infos: list[TokenInfo] = []
         self.sent = 0  # characters of the decoded text already released
-        self.rng = np.random.default_rng(params.seed)
+        # n sequences of one seeded request: n different draws, the same n on a rerun.
+        self.rng = np.random.default_rng(params.seed if index == 0 or params.seed is None else (params.seed, index))
+        self.siblings: list[Seq] = []  # a request's other n - 1 sequences: they take this one's prompt KV
+        self.leader: Seq | None = None
+        self.cached = 0  # prompt positions that came from the prefix cache
         self.cancelled = False
         self.finished: str | None = None
         self.t_submit = time.perf_counter()
         self.t_first: float | None = None
         self.t_last: float | None = None
+        self.speculator: SeqSpeculator | None = None
 
     def post(self, ev: Event) -> None:
+        ev.index = self.index
         try:
             self.loop.call_soon_threadsafe(self.events.put_nowait, ev)
         except RuntimeError:  # the loop closed (server stopping): nobody is listening
             pass
 
 
-def sample(ids: np.ndarray, lps: np.ndarray, p: Params, rng: np.random.Generator) -> int:
-    """Greedy (temperature 0): the first candidate, exactly argmax. Otherwise temperature, then the
-    smallest prefix of candidates whose probability reaches top_p, then one draw."""
-    if p.temperature < MIN_TEMPERATURE:  # 0, or so close to it that lps / T overflows: the limit is argmax
-        return int(ids[0])
-    z = np.asarray(lps, dtype=np.float64) / p.temperature
-    z = z - z.max()
+BAN = -100.0  # a logit_bias this low removes the token (OpenAI: "should result in a ban")
+
+
+def adjust(ids: np.ndarray, lps: np.ndarray, p: Params, prompt: Sequence[int], generated: Sequence[int]) -> np.ndarray:
+    """The candidates' scores after the penalties and logit_bias, as vLLM orders them (before
+    temperature). The head gives log-probabilities, not the raw logits transformers' and llama.cpp's
+    repetition penalty divide (whose scale is unknown here), so repetition_penalty divides the
+    probability of every token seen in the prompt or the output (subtracts its log); presence and
+    frequency penalties count the output only (OpenAI's and vLLM's rule)."""
+    z = np.asarray(lps, dtype=np.float64).copy()
+    if not p.adjusts:
+        return z
+    if p.repetition_penalty != 1.0:
+        seen = np.isin(ids, np.fromiter((*prompt, *generated), dtype=np.int64, count=len(prompt) + len(generated)))
+        z = np.where(seen, z - np.log(p.repetition_penalty), z)
+    if (p.presence_penalty or p.frequency_penalty) and generated:
+        uniq, counts = np.unique(np.asarray(generated, dtype=np.int64), return_counts=True)
+        pos = np.searchsorted(uniq, ids)
+        pos = np.minimum(pos, uniq.size - 1)
+        count = np.where(uniq[pos] == ids, counts[pos], 0)
+        z -= p.frequency_penalty * count + p.presence_penalty * (count > 0)
+    for i, tid in enumerate(ids.tolist()):
+        b = p.logit_bias.get(tid)
+        if b is not None:
+            z[i] = -np.inf if b <= BAN else z[i] + b
+    return z
+
+
+def sample(ids: np.ndarray, lps: np.ndarray, p: Params, rng: np.random.Generator,
+           prompt: Sequence[int] = (), generated: Sequence[int] = ()) -> int:
+    """Greedy (temperature 0): the best candidate, exactly argmax when nothing adjusts the scores.
+    Otherwise the penalties and logit_bias (`adjust`), temperature, then top_k, min_p and top_p
+    (the smallest prefix of candidates whose probability reaches it), then one draw."""
+    z = adjust(ids, lps, p, prompt, generated)
+    if p.temperature < MIN_TEMPERATURE:  # 0, or so close to it that z / T overflows: the limit is argmax
+        return int(ids[int(np.argmax(z))])  # ties: the first, the head's order (the lower id)
+    z = z / p.temperature
+    z = z - z[np.isfinite(z)].max()
     prob = np.exp(z)
+    if p.top_k and p.top_k < prob.size:
+        prob[np.argsort(-prob, kind="stable")[p.top_k:]] = 0.0
     prob /= prob.sum()
+    if p.min_p > 0.0:
+        prob = np.where(prob >= p.min_p * prob.max(), prob, 0.0)
+        prob /= prob.sum()
     if p.top_p < 1.0:
         order = np.argsort(-prob, kind="stable")
         cum = np.cumsum(prob[order])
@@ -131,11 +208,13 @@ def _held_back(text: str, stops: Sequence[str]) -> int:
 class Scheduler:
     def __init__(self, engine: BatchEngine, tokenizer, *, context: int, max_active: int, max_queue: int,
                  step_tokens: int = 128, eos_ids: Sequence[int] = (),
-                 on_token: Callable[[str, float], None] | None = None):
+                 on_token: Callable[[str, float], None] | None = None, prefix: PrefixCache | None = None,
+                 speculation: Settings | None = None):
         self.engine, self.tok = engine, tokenizer
         self.context, self.max_active, self.max_queue = context, max_active, max_queue
         self.step_tokens = max(1, step_tokens)
         self.eos = set(eos_ids)
+        self.prefix = prefix
         self.on_token = on_token or (lambda kind, seconds: None)  # ("ttft" | "itl", seconds)
         self.waiting: deque[Seq] = deque()
         self.active: list[Seq] = []
@@ -148,6 +227,10 @@ class Scheduler:
         self.generated_tokens = 0
         self.prompt_tokens = 0
         self.last_step_ms = 0.0
+        self.speculation = speculation or Settings(enabled=False)
+        self.drafted_tokens = 0
+        self.accepted_tokens = 0
+        self.on_step: Callable[[int], None] = lambda rows: None  # rows (positions) of each step
 
     # -- the event loop's side ----------------------------------------------------------------------
     @property
@@ -158,9 +241,16 @@ class Scheduler:
     def queued_count(self) -> int:
         return sum(1 for s in self.waiting if not s.cancelled)
 
-    def admit(self, seq: Seq) -> None:
+    def admit(self, seq: Seq, siblings: Sequence[Seq] = ()) -> None:
+        """``siblings``: the request's other sequences (n > 1), on the same prompt: they take a slot each
+        together with ``seq`` and copy its prompt's KV once it is prefilled (one prefill for the n)."""
         if self.draining:
             raise ServiceUnavailable("this server is shutting down: retry on another replica")
+        if len(siblings) + 1 > self.max_active:
+            raise ValueError("more sequences in one request than max_active")
+        seq.siblings = list(siblings)
+        for s in siblings:
+            s.leader = seq
         with self._cond:
             # Waiting sequences take the free slots first (at the next step); what is left waits in
             # the queue, and only max_queue may: a burst beside one busy slot is not all admitted.
@@ -197,7 +287,7 @@ class Scheduler:
             self._thread.join(timeout=10)
         if error is not None:
             with self._cond:
-                left = [*self.active, *self.waiting]
+                left = [*self.active, *(g for s in self.waiting for g in (s, *s.siblings))]
                 self.waiting.clear()
             for s in left:
                 self._finish(s, None, error)
@@ -211,18 +301,30 @@ class Scheduler:
                     self._cond.wait()
                 if self._stop:
                     return
-                while self.waiting and len(self.active) < self.max_active:
-                    s = self.waiting.popleft()
+                while self.waiting:
+                    s = self.waiting[0]
+                    group = [s, *s.siblings]
+                    if not s.cancelled and len(self.active) + len(group) > self.max_active:
+                        break  # first come, first served: a group waits for its n slots
+                    self.waiting.popleft()
                     if s.cancelled:
                         continue
                     try:
                         # Allocated here, between steps: address space only until positions are written.
-                        s.cache = self.engine.new_cache(self.context)
+                        for g in group:
+                            g.cache = self.engine.new_cache(self.context)
                     except MemoryError as e:  # the thread lives on: this caller hears a 503, the others go on
-                        self._finish(s, None, ServiceUnavailable(f"no memory for a KV cache of {self.context} "
-                                                                 f"positions ({e})"))
+                        for g in group:
+                            self._finish(g, None, ServiceUnavailable(f"no memory for a KV cache of {self.context} "
+                                                                     f"positions ({e})"))
                         continue
-                    self.active.append(s)
+                    if self.prefix is not None:
+                        assert s.cache is not None
+                        s.fed = s.cached = self.prefix.load(s.prompt, s.cache)
+                    if self.speculation.enabled and self.speculation.max_k > 0:
+                        for g in group:
+                            g.speculator = SeqSpeculator(self.speculation)
+                    self.active.extend(group)
                 batch = list(self.active)
             try:
                 self._step(batch)
@@ -237,10 +339,14 @@ class Scheduler:
     def _step(self, batch: list[Seq]) -> None:
         chunks: list[Chunk] = []
         owners: list[Seq] = []
+        drafts: list[list[int]] = []
         decoding = [s for s in batch if s.fed == len(s.prompt)]
-        budget = max(1, self.step_tokens - len(decoding))
+        proposed = {s.id: self._drafts(s) for s in decoding}
+        budget = max(1, self.step_tokens - sum(1 + len(d) for d in proposed.values()))
         for s in batch:
             assert s.cache is not None
+            if s.leader is not None and s.fed < len(s.prompt):
+                continue  # its prompt's KV comes from its leader's prefill
             if s.fed < len(s.prompt):
                 if budget <= 0:
                     continue
@@ -248,27 +354,85 @@ class Scheduler:
                 ids = s.prompt[s.fed : s.fed + n]
                 s.fed += n
                 budget -= n
-                chunks.append(Chunk(s.cache, ids, wants_logits=s.fed == len(s.prompt)))
+                last = s.fed == len(s.prompt)
+                chunks.append(Chunk(s.cache, ids, wants_logits=last,
+                                    mask=s.constraint.mask() if last and s.constraint is not None else None))
+                drafts.append([])
             else:
-                chunks.append(Chunk(s.cache, [s.generated[-1]]))
+                d = proposed[s.id]
+                chunks.append(Chunk(s.cache, [s.generated[-1], *d], logit_rows=1 + len(d),
+                                    mask=s.constraint.mask() if s.constraint is not None else None))
+                drafts.append(d)
             owners.append(s)
         if not chunks:
             return
         # Candidates the head returns: greedy needs only the first, sampling HEAD_TOP_K, logprobs n + 1
         # (a smaller reply to build, send and parse for an all-greedy step).
-        k = max(1 if s.params.temperature < MIN_TEMPERATURE else HEAD_TOP_K for s in owners)
-        k = max([k] + [(s.params.logprobs or 0) + 1 for s in owners])
+        k = max(s.params.candidates() for s in owners)
         t0 = time.perf_counter()
-        tops = self.engine.step(chunks, k)
+        starts = [c.cache.length for c in chunks]
+        tops = self.engine.step_rows(chunks, k)
         self.last_step_ms = (time.perf_counter() - t0) * 1e3
         self.steps += 1
-        self.step_rows += sum(len(c.ids) for c in chunks)
-        for s, top in zip(owners, tops, strict=True):
-            if top is not None and not s.cancelled:
-                self._accept(s, *top)
+        rows = sum(len(c.ids) for c in chunks)
+        self.step_rows += rows
+        self.on_step(rows)
+        for s, rows_top, d, start in zip(owners, tops, drafts, starts, strict=True):
+            if not rows_top or s.cancelled:
+                continue
+            if not d:
+                if not s.generated:  # the prompt is in: keep it for later prompts, hand it to the siblings
+                    self._prefilled(s, rows_top[-1])
+                self._accept(s, *rows_top[-1])
+                continue
+            self._verify(s, d, rows_top, start)
+
+    def _drafts(self, s: Seq) -> list[int]:
+        """The drafts for a decoding sequence's chunk: none without speculation, and never more than
+        it may still emit after its next token, nor than its cache holds. A sequence whose sampler
+        does more than temperature and top-p (penalties, logit_bias, top_k, min_p) or follows a
+        grammar gets none: verification reproduces exactly that sampler's distribution only."""
+        p = s.params
+        if (s.speculator is None or s.cache is None or s.constraint is not None or p.adjusts or p.top_k
+                or p.min_p > 0.0):
+            return []
+        room = min(p.max_tokens - len(s.generated) - 1, s.cache.context - s.cache.length - 1)
+        return s.speculator.propose(s.prompt + s.generated, room) if room > 0 else []
+
+    def _verify(self, s: Seq, d: list[int], rows_top: list[tuple[np.ndarray, np.ndarray]], start: int) -> None:
+        assert s.speculator is not None and s.cache is not None
+        kept, nxt = s.speculator.verify(d, rows_top, s.params.temperature, s.params.top_p, s.rng)
+        s.cache.truncate(start + 1 + kept)  # the last decided token and the kept drafts stay
+        self.drafted_tokens += len(d)
+        self.accepted_tokens += kept
+        for i, tok in enumerate([*d[:kept], nxt]):
+            if s.finished is not None:
+                return
+            self._emit(s, tok, *rows_top[i])
+
+    def _prefilled(self, s: Seq, top: tuple[np.ndarray, np.ndarray]) -> None:
+        assert s.cache is not None
+        if self.prefix is not None:
+            self.prefix.store(s.prompt, s.cache)
+        n = s.cache.length
+        for sib in s.siblings:
+            if sib.cancelled or sib.cache is None:
+                continue
+            for layer in range(len(s.cache.keys)):
+                sib.cache.keys[layer][:, :n] = s.cache.keys[layer][:, :n]
+                sib.cache.values[layer][:, :n] = s.cache.values[layer][:, :n]
+            sib.cache.length, sib.fed, sib.cached = n, len(sib.prompt), s.cached
+            self._accept(sib, *top)  # the same next-token candidates, its own draw
 
     def _accept(self, s: Seq, ids: np.ndarray, lps: np.ndarray) -> None:
-        tok = sample(ids, lps, s.params, s.rng)
+        if s.constraint is not None and s.constraint.error is not None:
+            log.error("sequence %d: %s", s.id, s.constraint.error)
+            self._finish(s, None, RuntimeError(s.constraint.error))
+            return
+        self._emit(s, sample(ids, lps, s.params, s.rng, s.prompt, s.generated), ids, lps)
+
+    def _emit(self, s: Seq, tok: int, ids: np.ndarray, lps: np.ndarray) -> None:
+        """Token ``tok`` joins the sequence; ``ids``/``lps``: the candidates it was chosen among."""
         now = time.perf_counter()
         if s.t_first is None:
             s.t_first = now
@@ -278,6 +442,13 @@ class Scheduler:
         s.t_last = now
         s.generated.append(tok)
         self.generated_tokens += 1
+        if s.constraint is not None:
+            try:
+                s.constraint.accept(tok)
+            except RuntimeError as e:  # the grammar and the head disagree (a bug): this sequence alone fails
+                log.error("sequence %d: %s", s.id, e)
+                self._finish(s, None, e)
+                return
         if tok in self.eos:
             self._release(s, final=True)
             self._finish(s, "stop")
@@ -289,6 +460,9 @@ class Scheduler:
             top = [(int(i), self.tok.decode([int(i)]), float(v)) for i, v in zip(ids[:n], lps[:n], strict=True)]
             s.pending_infos.append(TokenInfo(tok, self.tok.decode([tok]), lp, top))
         if self._release(s, final=False):
+            self._finish(s, "stop")
+        elif s.constraint is not None and s.constraint.complete:
+            self._release(s, final=True)
             self._finish(s, "stop")
         elif len(s.generated) >= s.params.max_tokens or s.cache is None or s.cache.length + 1 > s.cache.context:
             self._release(s, final=True)
@@ -318,6 +492,9 @@ class Scheduler:
         if s.finished is not None:
             return
         s.finished = reason or "error"
+        if error is None and self.prefix is not None and s.cache is not None:
+            # The reply's KV too: a chat's next turn re-sends it as history.
+            self.prefix.store(s.prompt + s.generated, s.cache)
         s.cache = None  # the KV cache goes back now
         s.post(Event("error", error=error) if error is not None else Event("done", finish_reason=reason))
 
@@ -325,4 +502,9 @@ class Scheduler:
         return {"steps": self.steps, "rows": self.step_rows,
                 "mean_rows_per_step": round(self.step_rows / self.steps, 3) if self.steps else None,
                 "last_step_ms": round(self.last_step_ms, 3), "generated_tokens": self.generated_tokens,
-                "prompt_tokens": self.prompt_tokens}
+                "prompt_tokens": self.prompt_tokens,
+                "prefix_cache": None if self.prefix is None else self.prefix.stats(),
+                "speculation": {**self.speculation.as_json(), "drafted_tokens": self.drafted_tokens,
+                                "accepted_tokens": self.accepted_tokens,
+                                "acceptance": round(self.accepted_tokens / self.drafted_tokens, 4)
+                                if self.drafted_tokens else None}}

@@ -13,6 +13,7 @@ import argparse
 import os
 import secrets
 import shlex
+import shutil
 import signal
 import sys
 import time
@@ -29,7 +30,22 @@ from larql_edge.tools.grid.supervisor import Supervisor, pick_ports, role_env
 ROLES = ("embed", "ffn", "client")
 
 
-def role_vindexes(model: str, vindex: str | None, log=print, quant: str = "none") -> dict[str, Path]:
+def _say(*parts: object) -> None:
+    # Flushed: a pipe or a log file (not a terminal) sees every stage as it happens.
+    print(*parts, flush=True)
+
+
+def console_script(name: str) -> str:
+    """How to run one of the project's commands: by name when PATH finds this installation's, else
+    by path beside this interpreter (``.venv/bin/larql-grid`` run without activating the venv)."""
+    here = Path(sys.executable).parent / name
+    if not here.is_file() or shutil.which(name) == str(here):
+        return name
+    rel = os.path.relpath(here)
+    return rel if not rel.startswith("..") else str(here)
+
+
+def role_vindexes(model: str, vindex: str | None, log=_say, quant: str = "none") -> dict[str, Path]:
     """The vindex folder each role runs from: its preset slice of the cached extraction (``quant``:
     a float f16 vindex, LARQL's q4k layout, or larql-edge's gguf one).
 
@@ -114,9 +130,9 @@ def up_command(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     try:
-        embed_argv = ["larql-embed", str(paths["embed"]), "--port", str(embed_port), *common,
+        embed_argv = [*_role("embed"), str(paths["embed"]), "--port", str(embed_port), *common,
                       "--join", router_url, "--public-url", url(embed_port)]
-        router_argv = ["larql-router", "--port", str(router_port), *common]
+        router_argv = [*_role("router"), "--port", str(router_port), *common]
         router = sup.start("router", router_argv, router_url)
         embed = sup.start("embed", embed_argv, url(embed_port))
         shards = []
@@ -125,12 +141,12 @@ def up_command(args: argparse.Namespace) -> int:
             for i in range(args.replicas):
                 port = next(ports)
                 name = f"ffn-{rng}" + (f"-{i}" if args.replicas > 1 else "")
-                shards.append(sup.start(name, ["larql-ffn", str(paths["ffn"]), "--layers", str(rng), "--port", str(port),
+                shards.append(sup.start(name, [*_role("ffn"), str(paths["ffn"]), "--layers", str(rng), "--port", str(port),
                                                *common, "--join", router_url, "--public-url", url(port)],
                                         url(port), layers=str(rng)))
-        print(f"larql-grid: starting router, embed server and {len(shards)} FFN shard(s); logs in {log_dir}", flush=True)
+        _say(f"larql-grid: starting router, embed server and {len(shards)} FFN shard(s); logs in {log_dir}")
         deadline = time.monotonic() + args.ready_timeout
-        sup.wait_ready(sup.roles, deadline)
+        sup.wait_ready(sup.roles, deadline, log=_say)
         _wait_complete(router_url, deadline)
         _print_ready(paths["client"], router, embed, shards, time.monotonic() - t0)
         while True:
@@ -175,10 +191,16 @@ def _print_ready(client_vindex: Path, router, embed, shards, seconds: float) -> 
     lines = [f"larql-grid: ready in {seconds:.1f}s", f"  router  {router.url}  (pid {router.pid}; members: {router.url}/v1/grid)",
              f"  embed   {embed.url}  (pid {embed.pid})"]
     lines += [f"  ffn     {s.url}  layers {s.info['layers']}  (pid {s.pid})" for s in shards]
-    cmd = shlex.join(["larql", "generate", "--vindex", str(client_vindex), "--ffn", router.url,
+    cmd = shlex.join([console_script("larql"), "generate", "--vindex", str(client_vindex), "--ffn", router.url,
                       "--prompt", "The capital of France is", "--max-tokens", "32"])
     lines += ["", "Generate through the grid:", f"  {cmd}", "", "Ctrl-C stops the grid."]
     print("\n".join(lines), flush=True)
+
+
+def _role(name: str) -> list[str]:
+    """The role of THIS installation, run by this interpreter: by name from PATH a grid started without
+    the venv on PATH failed, or started another installation's larql-router."""
+    return [sys.executable, "-P", "-m", f"larql_edge.roles.{name}.cli"]  # -P: not a larql_edge of the cwd
 
 
 def main(argv: list[str] | None = None) -> int:

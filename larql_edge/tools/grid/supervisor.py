@@ -19,6 +19,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -84,6 +85,7 @@ class Role:
     log_path: Path
     popen: subprocess.Popen | None = None
     info: dict = field(default_factory=dict)
+    verify: Any = True  # what the probes verify an https:// role with (an ssl.SSLContext for a grid's own CA)
 
     @property
     def pid(self) -> int | None:
@@ -108,7 +110,7 @@ class Role:
     def wait_ready(self, timeout: float = 60.0, path: str = "/v1/ready") -> None:
         """Until ``path`` answers 200; raises (with the log's tail) if the role exits or time runs out."""
         deadline = time.monotonic() + timeout
-        with httpx.Client(timeout=2.0) as client:
+        with httpx.Client(timeout=2.0, verify=self.verify) as client:
             while True:
                 if not self.running():
                     code = self.popen.returncode if self.popen else None
@@ -145,14 +147,15 @@ class Role:
 
 
 class Supervisor:
-    def __init__(self, log_dir: Path, env: dict[str, str]):
+    def __init__(self, log_dir: Path, env: dict[str, str], verify: Any = True):
         self.log_dir = Path(log_dir)
         self.env = env
+        self.verify = verify
         self.roles: list[Role] = []
         self.log_dir.mkdir(parents=True, exist_ok=True)
 
     def start(self, name: str, argv: list[str], url: str, env: dict[str, str] | None = None, **info) -> Role:
-        role = Role(name, argv, url, self.log_dir / f"{name}.log", info=info)
+        role = Role(name, argv, url, self.log_dir / f"{name}.log", info=info, verify=self.verify)
         log = open(role.log_path, "ab")
         try:
             role.popen = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -163,10 +166,14 @@ class Supervisor:
         self.roles.append(role)
         return role
 
-    def wait_ready(self, roles: list[Role], deadline: float) -> None:
-        """Until every role answers 200 on /v1/ready; raises if one exits or time runs out."""
+    def wait_ready(self, roles: list[Role], deadline: float, log=None) -> None:
+        """Until every role answers 200 on /v1/ready; raises if one exits or time runs out.
+        ``log`` gets a line as each role becomes ready (a start can take tens of seconds)."""
+        t0 = time.monotonic()
         for r in roles:
             r.wait_ready(max(0.1, deadline - time.monotonic()))
+            if log is not None:
+                log(f"larql-grid: {r.name} ready ({time.monotonic() - t0:.1f}s)")
 
     def exited(self) -> list[Role]:
         return [r for r in self.roles if r.popen is not None and r.popen.poll() is not None]

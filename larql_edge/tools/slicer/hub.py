@@ -238,7 +238,11 @@ def hub_errors(what: str) -> Iterator[None]:
 class Hub:
     """A thin, error-translating view of `huggingface_hub.HfApi` for one endpoint and repo type."""
 
-    def __init__(self, endpoint: str | None = None, token: str | None = None, repo_type: str = "dataset"):
+    def __init__(self, endpoint: str | None = None, token: str | None = None, repo_type: str = "dataset",
+                 mirror: str | None = None):
+        """``mirror``: where file contents are fetched instead (``{mirror}/{repo}/resolve/{commit}/{file}``,
+        an nginx cache in front of the Hub: deploy/nginx/hub-mirror.conf); the listing and the commit
+        still come from ``endpoint``. Every node of a fleet then costs the Hub one download per file."""
         if endpoint:
             # huggingface_hub pings the public Hub on first use whatever the endpoint; a user who
             # chose another endpoint has not asked for that. (Its constants are read at import.)
@@ -252,6 +256,7 @@ class Hub:
         self.repo_type = repo_type
         self.api = HfApi(endpoint=endpoint, token=token)
         self.endpoint = self.api.endpoint.rstrip("/")
+        self.files_endpoint = mirror.rstrip("/") if mirror else self.endpoint
         self.token = token
 
     def url(self, repo_id: str) -> str:
@@ -290,10 +295,16 @@ class Hub:
         return out
 
     def lfs_oids(self, repo_id: str) -> dict[str, str]:
-        """path -> remote lfs.oid; empty when anything goes wrong (publish then uploads everything)."""
+        """path -> remote lfs.oid; empty for a repo that does not exist yet (publish uploads everything).
+        Any other failure (no network, 5xx) is raised: a dry run must not show an upload plan as if
+        the Hub were empty."""
+        # One plain request first: huggingface_hub retries a listing with backoff for ~24 s when
+        # nothing answers, while this fails at once (and skips the listing of a new repo).
+        if not self.exists(repo_id):
+            return {}
         try:
             return {p: f.lfs_sha256 for p, f in self.remote_files(repo_id).items() if f.lfs_sha256}
-        except HubError:
+        except HubNotFound:
             return {}
 
     # -- downloads ------------------------------------------------------------------------------
@@ -305,7 +316,7 @@ class Hub:
 
         with hub_errors(f"download {repo_id}/{filename}"):
             return Path(hf_hub_download(
-                repo_id, filename, repo_type=self.repo_type, revision=revision, endpoint=self.endpoint,
+                repo_id, filename, repo_type=self.repo_type, revision=revision, endpoint=self.files_endpoint,
                 token=self.token, cache_dir=str(cache_dir), local_dir=str(local_dir) if local_dir else None,
                 tqdm_class=stop_aware_progress(stop),
             ))
@@ -323,7 +334,8 @@ class Hub:
 
         what = f"download {repo_id}/{filename}"
         with hub_errors(what):
-            url = hf_hub_url(repo_id, filename, repo_type=self.repo_type, revision=revision, endpoint=self.endpoint)
+            url = hf_hub_url(repo_id, filename, repo_type=self.repo_type, revision=revision,
+                             endpoint=self.files_endpoint)
             headers = build_hf_headers(token=self.token)
         headers["Accept-Encoding"] = "identity"  # the bytes as stored: a Range counts those
         timeout = constants.HF_HUB_DOWNLOAD_TIMEOUT

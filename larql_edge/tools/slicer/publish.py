@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from larql_edge.console import human
-from larql_edge.errors import HubError
+from larql_edge.errors import HubError, HubUnauthorized
 from larql_edge.format.presets import DEFAULT_SLICES, canonical_preset
 from larql_edge.format.vindex import INDEX, Vindex, sha256_file
 from larql_edge.tools.slicer.hub import Hub, hub_errors, validate_repo_id
@@ -106,6 +106,16 @@ def plan_targets(repo: str, slices: Sequence[str], full: bool, template: str) ->
     return targets
 
 
+def require_token(token: str | None) -> None:
+    """Uploading needs a token: say so before any network (it used to retry for ~27 s without one,
+    then blame the network)."""
+    from huggingface_hub import get_token
+
+    if not token and not get_token():
+        raise HubUnauthorized("publishing needs a Hub token with write access: --hf-token / --hf-token-file, "
+                              "HF_TOKEN, or `hf auth login` (--dry-run needs none)")
+
+
 def publish(
     src: str | Path,
     repo: str,
@@ -130,6 +140,8 @@ def publish(
         if c not in COLLECTION_LEVELS:
             raise HubError(f"unknown collection level {c!r} (model, family, library or none)")
     targets = plan_targets(repo, slices, full, template)
+    if not dry_run:
+        require_token(token)
     hub = Hub(endpoint=endpoint, token=token, repo_type=repo_type)
     report = PublishReport(dry_run=dry_run)
     # Slices are staged beside the source by default, so they are hard links, not copies.

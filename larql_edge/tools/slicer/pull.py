@@ -48,6 +48,7 @@ from larql_edge.tools.slicer.hub import (
     validate_repo_id,
 )
 from larql_edge.tools.slicer.publish import slice_repo_name
+from larql_edge.wire.grid import check_url
 
 WORKERS = 8  # parallel downloads, as huggingface_hub's snapshot_download
 STOP_GRACE = 0.5  # seconds the main thread waits, after Ctrl-C, for the downloads to stop
@@ -404,6 +405,7 @@ def pull(
     template: str = "{repo}-{preset}",
     endpoint: str | None = None,
     token: str | None = None,
+    mirror: str | None = None,
     hints: bool = True,
     cache_dir: str | Path | None = None,
     log: Callable[[str], None] = print,
@@ -413,7 +415,9 @@ def pull(
     reported in its result instead); KeyboardInterrupt stops the downloads within `STOP_GRACE`."""
     if sum(bool(x) for x in (preset, all_slices, collection)) > 1:
         raise HubError("choose one of --preset, --all-slices and --collection")
-    hub = Hub(endpoint=endpoint, token=token, repo_type=repo_type)
+    if mirror:
+        mirror = check_url(mirror, "--mirror")
+    hub = Hub(endpoint=endpoint, token=token, repo_type=repo_type, mirror=mirror)
     targets = resolve_targets(hub, repo, preset, all_slices, collection, template)
     report = PullReport()
     out = Path(output) if output else None

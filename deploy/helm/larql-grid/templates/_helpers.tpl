@@ -262,6 +262,10 @@ topologySpreadConstraints:
     - name: HF_ENDPOINT
       value: {{ . | quote }}
     {{- end }}
+    {{- with $hub.mirror }}
+    - name: LARQL_MIRROR
+      value: {{ . | quote }}
+    {{- end }}
     # huggingface_hub's own cache and lock files: the root filesystem is read-only.
     - name: HF_HOME
       value: /tmp/hf-home

@@ -8,7 +8,7 @@ import numpy as np
 from sanic import Blueprint
 from sanic.response import HTTPResponse, json
 
-from larql_edge.errors import BadRequest, NotFound
+from larql_edge.errors import BadRequest, NotFound, ServiceUnavailable
 from larql_edge.roles.embed import requests as rq
 from larql_edge.roles.embed.caching import cache_headers, none_match
 from larql_edge.roles.embed.routes._common import both, model_of
@@ -18,6 +18,14 @@ from larql_edge.wire import embed as wire
 from larql_edge.wire.numbers import json_int
 
 bp = Blueprint("embed")
+
+
+def _check_finite(raw: bytes | memoryview, what: str) -> None:
+    """Damaged weights are this server's failure (a 503: the router tries another embed member), and a
+    row with NaN must never go out under the good file's content-addressed, immutable URL."""
+    if not np.isfinite(np.frombuffer(raw, dtype="<f4")).all():
+        raise ServiceUnavailable(f"{what}: non-finite values in the stored embeddings (damaged weights); "
+                                 "run larql-slicer verify on the vindex")
 
 
 @both(bp, "/embed", ["POST"], "embed")
@@ -35,11 +43,31 @@ async def embed(request, model_id: str | None = None):
         if "seq_len" in obj and json_int(obj["seq_len"]) != ids.size:  # optional, but never null
             raise BadRequest(f"seq_len {obj['seq_len']!r} disagrees with {ids.size} token_ids")
     ids = rq.check_ids(ids, m.vocab_size, request.app.ctx.cfg.limits.max_tokens)
-    parts = m.store.rows_bytes(ids)
     n, hidden = int(ids.size), m.hidden_size
-    if rq.wants_binary(request, default_binary=kind == BINARY_KIND):
+    binary = rq.wants_binary(request, default_binary=kind == BINARY_KIND)
+    store = m.store
+
+    def checked(parts: list[bytes] | bytes) -> list[bytes] | bytes:
+        for part in [parts] if isinstance(parts, bytes) else parts:
+            _check_finite(part, "the rows asked for")
+        return parts
+
+    def as_binary(parts: list[bytes] | bytes) -> HTTPResponse:
         body = wire.encode_embed_response_parts(n, hidden, [parts] if isinstance(parts, bytes) else parts)
         return HTTPResponse(body, content_type=BINARY)
+
+    if n > store.VECTOR_THRESHOLD:
+        # 4,096 rows are 4,096 reads, a finiteness check and 10 MB to build: in the compute thread, so
+        # eight such requests do not hold the loop's health checks for seconds (issue #19). The hot
+        # cache's counts stay on the loop, which owns the cache.
+        store.cache.count_many(ids)
+        if binary:
+            return await request.app.ctx.compute.run(lambda: as_binary(checked(store.gather(ids))))
+        parts = await request.app.ctx.compute.run(lambda: checked(store.gather(ids)))
+    else:
+        parts = checked(store.rows_bytes(ids))
+    if binary:
+        return as_binary(parts)
 
     def as_json() -> HTTPResponse:  # 4,096 rows make ~50 MB of JSON: built in the compute thread, not on the loop
         raw = parts if isinstance(parts, bytes) else b"".join(parts)
@@ -64,6 +92,7 @@ def _row(request, m, token: str, vary_model: bool) -> HTTPResponse:
     if none_match(request.headers.get("if-none-match"), etag):
         return HTTPResponse(status=304, headers=headers)
     row = m.store.row_bytes(tid)
+    _check_finite(row, f"token id {tid}")
     if rep == "bin":
         return HTTPResponse(row, headers=headers, content_type=BINARY)
     payload = {"token_id": tid, "embedding": np.frombuffer(row, dtype="<f4").tolist(), "hidden_size": m.hidden_size}

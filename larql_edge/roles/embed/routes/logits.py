@@ -12,6 +12,12 @@ body ``{"residuals": [[...], ...], "top_k": k, "temperature": t}``, or a binary 
 with the binary Accept, ``f32[rows * vocab]``): all rows in ONE lm_head product. At most
 ``max_batch`` rows (413 above). Without ``residuals``/``rows`` the single-residual forms are
 unchanged, byte for byte.
+
+Structured output: ``?rows=N&masked=i,j,..`` (binary body) appends a token bitmask for each listed row
+(`larql_edge.wire.embed`); a masked row's disallowed tokens get -inf before the top k, so its top k,
+probabilities and log-probabilities are those of the allowed tokens (a mask allowing fewer than k
+tokens answers fewer). The mask costs the serve side nothing per vocabulary entry: 32 KB per
+constrained row on the wire, one unpack and one select here.
 """
 
 from __future__ import annotations
@@ -49,6 +55,8 @@ def _top_k(model, k: int, temperature: float, row: np.ndarray) -> list[dict]:
     lse = log_normaliser(scaled)
     out = []
     for i in top_k_ids(row, k).tolist():
+        if row[i] == -np.inf:  # masked out (structured output): the allowed tokens all came first
+            break
         lp = float(scaled[i]) - lse
         out.append(
             {"token_id": i, "token": model.token_text(i), "prob": math.exp(lp), "logprob": lp, "logit": float(row[i])}
@@ -69,12 +77,38 @@ def _raw(temperature: float, row: np.ndarray) -> bytes:
     return wire.encode_logits_response(_scaled(row, temperature))
 
 
-def _top_k_rows(model, k: int, temperature: float, block: np.ndarray) -> list[list[dict]]:
-    return [_top_k(model, k, temperature, row) for row in block]
+def _apply_masks(block: np.ndarray, masked: tuple[int, ...], allowed: np.ndarray | None) -> np.ndarray:
+    if not masked or allowed is None:
+        return block
+    # In place: the block is this request's own rows of the batch's fresh product.
+    out = block if block.flags.writeable else np.array(block, dtype=np.float32)
+    for r, ok in zip(masked, allowed, strict=True):
+        np.copyto(out[r], np.float32(-np.inf), where=~ok)
+    return out
 
 
-def _raw_rows(temperature: float, block: np.ndarray) -> bytes:
-    return wire.encode_logits_response(_scaled(block, temperature))
+def _top_k_rows(model, k: int, temperature: float, masked: tuple[int, ...], allowed: np.ndarray | None,
+                block: np.ndarray) -> list[list[dict]]:
+    return [_top_k(model, k, temperature, row) for row in _apply_masks(block, masked, allowed)]
+
+
+def _raw_rows(temperature: float, masked: tuple[int, ...], allowed: np.ndarray | None, block: np.ndarray) -> bytes:
+    return wire.encode_logits_response(_scaled(_apply_masks(block, masked, allowed), temperature))
+
+
+def _masked_rows(value: str | None, n_rows: int | None) -> tuple[int, ...]:
+    """``?masked=0,3``: the rows (ascending, each once, below ``rows``) whose token bitmasks follow the residuals."""
+    if value is None:
+        return ()
+    if n_rows is None:
+        raise BadRequest("masked= needs the binary many-rows form (?rows=N)")
+    parts = value.split(",")
+    if len(parts) > n_rows:
+        raise BadRequest(f"masked: {len(parts)} rows named, the request has {n_rows}")
+    out = [rq.int_param(p, "masked", 0, 0, n_rows - 1) for p in parts]
+    if any(b <= a for a, b in zip(out, out[1:], strict=False)):
+        raise BadRequest("masked: row indices must be ascending, each once")
+    return tuple(out)
 
 
 def _check_rows(n: int, limit: int) -> None:
@@ -97,14 +131,27 @@ async def logits(request, model_id: str | None = None):
     many: np.ndarray | None = None
     # Checked on every request, as top_k: a wrong ?rows= is a 400 whatever the body.
     n_rows = rq.int_param(query.get("rows"), "rows", 0, 1, max_rows) if query.get("rows") is not None else None
+    masked = _masked_rows(query.get("masked"), n_rows)
+    allowed: np.ndarray | None = None
     if body_kind(request) == BINARY_KIND:
-        if n_rows is not None:
+        if masked:
+            assert n_rows is not None
+            many, bits = wire.decode_logits_masked_rows_request(request.body, n_rows, m.hidden_size, len(masked),
+                                                                m.vocab_size)
+            many = rq.finite(many)
+            allowed = wire.allowed_tokens(bits, m.vocab_size)
+            empty = np.nonzero(~allowed.any(axis=1))[0]
+            if empty.size:
+                raise BadRequest(f"masked: the token mask of row {masked[int(empty[0])]} allows no token")
+        elif n_rows is not None:
             many = rq.finite(wire.decode_logits_rows_request(request.body, n_rows, m.hidden_size))
         else:
             x = wire.decode_logits_request(request.body, m.hidden_size)
             x = rq.finite(x)
     else:
         params = json_object(request)
+        if masked:
+            raise BadRequest("masked= takes a binary body (rows x f32[hidden], then the token bitmasks)")
         if "residuals" in params:
             rows = params["residuals"]
             if not isinstance(rows, list):
@@ -121,9 +168,9 @@ async def logits(request, model_id: str | None = None):
             temperature = rq.temperature_param(_json_number(params, "temperature", integer=False))
     if many is not None:
         if rq.wants_binary(request, default_binary=False):
-            body = await m.batcher.submit_rows(many, partial(_raw_rows, temperature))
+            body = await m.batcher.submit_rows(many, partial(_raw_rows, temperature, masked, allowed))
             return HTTPResponse(body, content_type=BINARY)
-        rows_top = await m.batcher.submit_rows(many, partial(_top_k_rows, m, k, temperature))
+        rows_top = await m.batcher.submit_rows(many, partial(_top_k_rows, m, k, temperature, masked, allowed))
         return json({"rows": rows_top, "model": m.id, "temperature": temperature, "greedy": temperature == 0.0,
                      "latency_ms": round((time.perf_counter() - t0) * 1e3, 3)})
     if rq.wants_binary(request, default_binary=False):

@@ -35,6 +35,7 @@ def stats(request: Request, model_id: str | None = None) -> dict:
     out = m.stats()
     out["memory_mb"] = round(psutil.Process().memory_info().rss / 2**20, 1)
     out["limits"] = app.ctx.cfg.limits.as_json()
+    out["weights_verified"] = app.ctx.cfg.weights.get(m.id, {"verified": False, "seconds": None, "bytes": 0})
     out["models"] = list(reg.models)
     out["worker"] = {"pid": os.getpid(), "name": os.environ.get("SANIC_WORKER_NAME", "")}
     if reg.error:

@@ -24,6 +24,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     f.add("--output", "-o", metavar="PATH", help="folder to hydrate (default: the Hub cache)")
     f.add("--revision", help="branch, tag or commit")
     add_hub_flags(f)
+    f.add("--mirror", default=None, metavar="URL",
+          help="fetch file contents through this cache of the Hub (deploy/nginx/hub-mirror.conf: it keeps "
+               "/resolve/COMMIT/ URLs, which never change); the listing still comes from --endpoint")
     p.set_defaults(func=run)
 
 
@@ -31,7 +34,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         rep = pull(args.repo, preset=args.preset, all_slices=args.all_slices, collection=args.collection,
                    output=args.output, revision=args.revision, repo_type=args.repo_type,
-                   template=args.slice_repo_template, endpoint=args.endpoint, token=args.hf_token)
+                   template=args.slice_repo_template, endpoint=args.endpoint, token=args.hf_token,
+                   mirror=args.mirror)
     except KeyboardInterrupt:
         # The downloads have stopped (pull waits for them briefly; what still runs is a daemon thread that
         # dies with the process). One line, and what to do next.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import time
 from collections.abc import Callable
 from datetime import datetime, timezone
@@ -77,8 +78,14 @@ def extract(
         w = VindexWriter(tmp, dtype=dtype)
         n_layers = src.config["num_layers"]
 
+        # A bar per stage on a terminal; elsewhere (a pipe, a log file, CI) a line per stage, because
+        # tqdm's carriage-return updates show nothing there until the end.
+        bars = progress and sys.stderr.isatty()
+
         def stage(name: str, total: int):
-            return tqdm(total=total, desc=f"{name:<11}", unit="t", disable=not progress, leave=False)
+            if progress and not bars:
+                log(f"  [{time.perf_counter() - t0:5.1f}s] {name} ({total} step{'s' * (total != 1)})")
+            return tqdm(total=total, desc=f"{name:<11}", unit="t", disable=not bars, leave=False)
 
         with stage("embeddings", 1) as bar:
             w.write_embeddings(src.get("embed_tokens.weight"))

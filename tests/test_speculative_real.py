@@ -1,0 +1,116 @@
+"""Speculative decoding on the real models, slow tier: through a real grid of processes (router, embed
+server, two FFN shards) and through larql-serve (a process of its own) with 8 concurrent streams,
+greedy continuations of 64 tokens with speculation on (n-gram drafts, and the q4k vindex of the same
+model drafting for the f16 grid) equal speculation off, token for token; the first 16 are the golden
+ones (Hugging Face transformers, an independent implementation)."""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from larql_edge.format.vindex import Vindex
+from larql_edge.model import speculative as sp
+from larql_edge.model.forward import Transformer
+from larql_edge.roles.client._build import build_remote
+from tests._grid import Procs, larql, remote_args, start_grid
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.real_model]
+
+TOKENS = 64
+CODE = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n"
+EXTRACT = ("Text: Alice Johnson lives in Berlin. Bob Smith lives in Paris. Carol White lives in Rome.\n"
+           "Names and cities:\n- Alice Johnson: Berlin\n-")
+
+
+def _plain(model: Transformer, ids: list[int], n: int) -> list[int]:
+    return list(model.generate(ids, n, stop_ids=[]))[:n]
+
+
+@pytest.fixture(scope="module", params=["gemma3-270m", "smollm2-135m"])
+def real_grid(request, tmp_path_factory, gemma_f16, smol_f16):
+    vindex = gemma_f16 if request.param == "gemma3-270m" else smol_f16
+    with Procs(tmp_path_factory.mktemp("spec-grid")) as procs:
+        n = Vindex.open(vindex).num_layers
+        g = start_grid(procs, vindex, [f"0-{n // 2 - 1}", f"{n // 2}-{n - 1}"], timeout=300)
+        yield {"model": request.param, "vindex": vindex, "router": g["router"].url, "procs": procs}
+
+
+@pytest.fixture(scope="module")
+def remote(real_grid, real_quantized):
+    vx = Vindex.open(real_grid["vindex"])
+    return {"model": build_remote(vx, remote_args(ffn=real_grid["router"], timeout=120.0)), "tok": vx.load_tokenizer(),
+            "draft": sp.ModelDrafter(Transformer.local(real_quantized(real_grid["model"], "q4k")))}
+
+
+# the golden prompts (3 per model), and two whose continuation copies from the input
+@pytest.mark.parametrize("which", ["golden-0", "golden-1", "golden-2", "code", "extract"])
+def test_greedy_speculation_through_a_grid_of_processes_equals_plain_decoding(real_grid, remote, golden, which):
+    cases = golden(real_grid["model"])["prompts"]
+    case = cases[int(which[-1])] if which.startswith("golden") else {"prompt": CODE if which == "code" else EXTRACT}
+    model, tok = remote["model"], remote["tok"]
+    ids = tok.encode(case["prompt"]).ids
+    want = _plain(model, ids, TOKENS)
+    if "greedy_ids" in case:  # Hugging Face transformers' continuation
+        assert want[: len(case["greedy_ids"])] == case["greedy_ids"]
+    ngram = sp.SpecStats()
+    assert list(sp.generate(model, ids, TOKENS, stop_ids=[], stats=ngram)) == want
+    drafted = sp.SpecStats()
+    assert list(sp.generate(model, ids, TOKENS, stop_ids=[], drafter=remote["draft"], stats=drafted)) == want
+    # the q4k drafter of the same model is mostly right: far fewer passes than tokens
+    assert drafted.passes < TOKENS * 0.75, drafted
+    if which in ("code", "extract"):  # the continuation copies from the input: n-gram drafts are kept
+        assert ngram.accepted > 0 and ngram.passes < TOKENS, ngram
+
+
+def test_larql_generate_with_a_draft_vindex_and_without_speculation(real_grid, real_quantized):
+    base = ["generate", "--vindex", str(real_grid["vindex"]), "--ffn", real_grid["router"], "--prompt", CODE,
+            "--max-tokens", "24", "--json"]
+    off = larql(*base, "--no-speculate", timeout=900)
+    on = larql(*base, "--draft", str(real_quantized(real_grid["model"], "q4k")), timeout=900)
+    assert off.returncode == 0 and on.returncode == 0, off.stderr + on.stderr
+    a, b = json.loads(off.stdout), json.loads(on.stdout)
+    assert a["generated_ids"] == b["generated_ids"] and len(a["generated_ids"]) == 24
+    assert a["speculation"] is None
+    assert b["speculation"]["drafter"] == "model" and b["speculation"]["accepted"] > 0
+
+
+def test_a_draft_vindex_with_another_tokenizer_is_a_clear_error(real_grid, gemma_f16, smol_f16):
+    other = smol_f16 if real_grid["model"] == "gemma3-270m" else gemma_f16
+    r = larql("generate", "--vindex", str(real_grid["vindex"]), "--ffn", real_grid["router"], "--prompt", "Hi",
+              "--max-tokens", "2", "--draft", str(other), timeout=300)
+    assert r.returncode != 0
+    assert "same tokenizer" in r.stderr and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_larql_serve_8_concurrent_streams_with_speculation_equal_without(real_grid, golden):
+    procs = real_grid["procs"]
+
+    def serve(name: str, *flags: str) -> str:
+        s = procs.start(name, "larql-serve", str(real_grid["vindex"]), "--ffn", real_grid["router"],
+                        "--blas-threads", "1", "--max-active", "8", "--context", "512", *flags)
+        s.wait_ready(300)
+        return s.url
+
+    prompts = [p["prompt"] for p in golden(real_grid["model"])["prompts"]] + [CODE, EXTRACT]
+    prompts = (prompts * 2)[:8]
+
+    def run(url: str, prompt: str) -> tuple:
+        r = httpx.post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": TOKENS, "temperature": 0,
+                                                        "logprobs": 0}, timeout=1200)
+        assert r.status_code == 200, r.text
+        c = r.json()["choices"][0]
+        return c["text"], c["logprobs"]["tokens"], c["finish_reason"], r.json()["usage"]["completion_tokens"]
+
+    off, on = serve("serve-off", "--no-speculate"), serve("serve-on")
+    with ThreadPoolExecutor(8) as pool:
+        want = list(pool.map(lambda p: run(off, p), prompts))
+        got = list(pool.map(lambda p: run(on, p), prompts))
+    assert got == want
+    stats = httpx.get(on + "/v1/stats").json()
+    assert stats["speculation"]["enabled"] is True
+    assert stats["scheduler"]["speculation"]["accepted_tokens"] > 0
+    assert httpx.get(off + "/v1/stats").json()["scheduler"]["speculation"]["drafted_tokens"] == 0
