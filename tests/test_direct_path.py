@@ -188,6 +188,53 @@ def test_the_hedge_budget_bounds_hedges_per_second():
     h.close()
 
 
+def test_a_stalled_hop_is_hedged_before_the_threshold_is_learned_and_its_replica_reported_slow_at_once():
+    """Issue #19: a frozen replica (SIGSTOP) held a hop for the whole request timeout when fewer than
+    MIN_SAMPLES hops had been seen or the budget was spent. A hop past the stall bound (learned from
+    the hops of its size) is hedged anyway, and the loser is reported slow before it ends."""
+    import threading
+    import time
+
+    thaw = threading.Event()
+    late: list[tuple[str, float]] = []
+
+    def send(url: str) -> str:
+        if url == "frozen":
+            thaw.wait(30)
+        return url
+
+    h = Hedger(lambda: None, budget_per_s=0.0)  # no budget: only a stall is hedged
+    assert h.stall_bound(1) is None
+    assert h.run(1, "live", "frozen", send) == ("live", "live", False)  # nothing learned yet: no bound
+    bound = h.stall_bound(1)
+    assert bound is not None and bound >= Hedger.STALL_FLOOR_S and h.threshold(1) is None
+    t0 = time.perf_counter()
+    try:
+        got = h.run(1, "frozen", "live", send, on_late=lambda u, s: late.append((u, s)))
+        waited = time.perf_counter() - t0
+        assert got == ("live", "live", True) and h.sent == 1 and h.won == 1
+        assert bound <= waited < bound + 5, (waited, bound)  # the stall bound, not the 30 s "timeout"
+        assert late and late[0][0] == "frozen" and late[0][1] >= bound  # reported before it ends
+    finally:
+        thaw.set()
+        h.close()
+
+
+def test_hedging_steps_aside_while_stalled_requests_hold_its_threads():
+    import threading
+
+    thaw = threading.Event()
+    h = Hedger(lambda: None, threads=4)
+    stuck = [h._submit(lambda _u: thaw.wait(30), "frozen") for _ in range(3)]
+    try:
+        assert h.run(1, "a", "b", lambda u: u) is None  # the caller's own failover carries the hop
+    finally:
+        thaw.set()
+        for f in stuck:
+            f.result(5)
+        h.close()
+
+
 @pytest.mark.multiprocess
 def test_generate_timings_add_up_to_each_tokens_wall_time(tiny_models):
     """``larql generate --timings --json`` against a grid of processes (in-process servers would share
@@ -206,7 +253,7 @@ def test_generate_timings_add_up_to_each_tokens_wall_time(tiny_models):
         procs.shard(v, "1-1", router)
         wait_grid(router.url, embed=1, timeout=60)
         r = larql("generate", "--vindex", str(v), "--ffn", router.url, "--prompt", "the capital of",
-                  "--max-tokens", "24", "--timings", "--json")
+                  "--max-tokens", "24", "--timings", "--json", "--no-speculate")  # one pass per token: its own hops
     assert r.returncode == 0, r.stderr
     tokens = json.loads(r.stdout)["timings"]["tokens"][1:]
     assert len(tokens) == 23

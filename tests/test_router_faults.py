@@ -98,10 +98,12 @@ def test_router_restart_members_rejoin_without_restarting(tiny_models):
         np.testing.assert_array_equal(remote.next_logits(IDS), want)
 
 
-def test_a_frozen_replica_is_failed_over_at_its_missed_heartbeats_not_the_hop_timeout(tiny_models):
+@pytest.mark.parametrize("direct", [False, True], ids=["via-router", "direct"])
+def test_a_frozen_replica_is_failed_over_at_its_missed_heartbeats_not_the_hop_timeout(tiny_models, direct):
     """Issue #19 (Low): a SIGSTOPped replica stalled generation for 12-17 s (the router waited the whole
     hop timeout). Now a request in flight to a member that stops heartbeating fails over once the
-    member is past the eviction age (3 heartbeats): here 0.75 s, against a 20 s hop timeout."""
+    member is past the eviction age (3 heartbeats): here 0.75 s, against a 20 s hop timeout. On the
+    direct path (the default) the client itself fails over: before, it waited its whole 60 s timeout."""
     import signal
 
     v = tiny_models["gemma3"]
@@ -114,19 +116,25 @@ def test_a_frozen_replica_is_failed_over_at_its_missed_heartbeats_not_the_hop_ti
         for s in shards:
             s.wait_ready(60)
         wait_grid(router.url, embed=1, members=3, timeout=60)
-        # through the router (the direct data path and its hedging are the client's own failover)
-        remote = build_remote(Vindex.open(v), remote_args(ffn=router.url, retries=4, timeout=60, direct=False, hedge=False))
+        # via-router: the router's failover alone (no direct path, no hedging); direct: the defaults
+        hops = HopLog()
+        remote = build_remote(Vindex.open(v), remote_args(ffn=router.url, retries=4, timeout=60, direct=direct,
+                                                          hedge=direct), hops)
         out, stamps, victim = [], [], None
         for i, tok in enumerate(remote.generate(IDS, 16, stop_ids=[])):
             out.append(tok)
             stamps.append(time.monotonic())
             if i == 4:
-                victim = _busiest(router.url, shards)
+                if direct:  # the replica the client has been sending layer 0 to
+                    used = [h.url for h in hops.drain() if h.tier == "ffn" and h.layer == 0]
+                    victim = max(shards, key=lambda s: used.count(s.url))
+                else:
+                    victim = _busiest(router.url, shards)
                 victim.send_signal(signal.SIGSTOP)
         try:
             assert out == want
             steps = np.diff(stamps)
             before = float(np.median(steps[:4]))  # a token's time here, now: the baseline
-            assert steps[4:].max() < 10.0 + 5 * before, (steps.tolist(), before)  # never the 20 s hop timeout
+            assert steps[4:].max() < 10.0 + 5 * before, (steps.tolist(), before)  # never the 20/60 s hop timeout
         finally:
             victim.send_signal(signal.SIGCONT)

@@ -7,7 +7,9 @@
 - `Hedger`: when a hop has not answered by a threshold learned from recent hops (the p95 of hops of
   the same size), the same request goes to a second replica and the first answer wins. FFN shards
   are stateless, so the loser is simply ignored. Bounded: at most one hedge per hop, and a token
-  bucket of hedges per second.
+  bucket of hedges per second. A hop that has stalled far beyond anything seen at its size (a
+  frozen replica: SIGSTOP, a paused VM) is hedged even before the p95 is learned or when the budget
+  is spent, and its replica is reported slow at once, so the next hops go elsewhere.
 """
 
 from __future__ import annotations
@@ -81,6 +83,10 @@ class Hedger:
     QUANTILE = 0.95
     FACTOR = 1.5  # the threshold: this much beyond the p95 (a hop just above p95 is no tail)
     FLOOR_S = 0.002  # never hedge a hop earlier than this (loopback noise is not a slow replica)
+    # A stall: this many times the slowest recent hop of the size, and at least STALL_FLOOR_S. Without it
+    # a frozen replica holds the hop for the whole request timeout (the budget and MIN_SAMPLES allow it).
+    STALL_FACTOR = 8.0
+    STALL_FLOOR_S = 0.5
 
     def __init__(self, make_client: Callable[[], object], budget_per_s: float = 20.0, threads: int = 4,
                  clock: Callable[[], float] = time.monotonic):
@@ -93,7 +99,10 @@ class Hedger:
         self._sorted: dict[int, list[float]] = {}
         self._since_sort: dict[int, int] = {}
         self._local = threading.local()
+        self._threads = threads
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="larql-hedge")
+        self._busy = 0  # submitted, not finished: a request to a frozen replica holds a thread until the timeout
+        self._lock = threading.Lock()
         self.hops = 0
         self.sent = 0
         self.won = 0
@@ -122,6 +131,24 @@ class Hedger:
         p = xs[min(len(xs) - 1, int(self.QUANTILE * len(xs)))]
         return max(self.FLOOR_S, p * self.FACTOR)
 
+    def stall_bound(self, size: int) -> float | None:
+        """How long a hop of ``size`` may take before it counts as stalled; None before any was seen."""
+        q = self._recent.get(max(1, size).bit_length())
+        if not q:
+            return None
+        return max(self.STALL_FLOOR_S, self.STALL_FACTOR * max(q))
+
+    def _submit(self, send: Callable[[str], T], url: str) -> Future:
+        with self._lock:
+            self._busy += 1
+        f = self._pool.submit(send, url)
+        f.add_done_callback(self._release)
+        return f
+
+    def _release(self, _f: Future) -> None:
+        with self._lock:
+            self._busy -= 1
+
     def _take(self) -> bool:
         now = self.clock()
         self._tokens = min(self.budget_per_s, self._tokens + (now - self._last) * self.budget_per_s)
@@ -136,32 +163,33 @@ class Hedger:
             on_late: Callable[[str, float], None] | None = None) -> tuple[str, T, bool] | None:
         """``send(url)`` on ``primary``; past the threshold, once, on ``second`` too. Returns (url,
         value, hedged) of the first success, or None when every request sent failed (the caller then
-        fails over as usual). ``on_late(url, seconds)`` hears how long a losing request took."""
+        fails over as usual). ``on_late(url, seconds)`` hears how long a losing request took: once
+        when it loses (so far), again when it ends."""
+        if self._busy > self._threads - 2:  # no room for a hop and its hedge: stalled requests hold the pool
+            return None
         self.hops += 1
         t0 = time.perf_counter()
-        first = self._pool.submit(send, primary)
-        limit = self.threshold(size)
+        first = self._submit(send, primary)
+        limit, stall = self.threshold(size), self.stall_bound(size)
         try:
-            if limit is None:
-                value = first.result()
-                self.observe(size, time.perf_counter() - t0)
-                return primary, value, False
-            value = first.result(timeout=limit)
+            value = first.result(timeout=limit if limit is not None else stall)
             self.observe(size, time.perf_counter() - t0)
             return primary, value, False
         except TimeoutError:
             pass
         except Exception:  # noqa: BLE001 - the primary failed: the caller's failover takes over
             return None
-        if not self._take():
+        if not self._take():  # out of budget: only a stall is hedged now
             try:
-                value = first.result()
+                value = first.result(timeout=None if stall is None else max(0.0, stall - (time.perf_counter() - t0)))
+                self.observe(size, time.perf_counter() - t0)
+                return primary, value, False
+            except TimeoutError:
+                pass
             except Exception:  # noqa: BLE001
                 return None
-            self.observe(size, time.perf_counter() - t0)
-            return primary, value, False
         self.sent += 1
-        hedge = self._pool.submit(send, second)
+        hedge = self._submit(send, second)
         urls: dict[Future, str] = {first: primary, hedge: second}
         pending = set(urls)
         while pending:
@@ -169,7 +197,8 @@ class Hedger:
             for f in done:
                 if f.exception() is None:
                     if on_late is not None:
-                        for loser in pending:
+                        for loser in pending:  # slow now (maybe frozen): the next hops go elsewhere
+                            on_late(urls[loser], time.perf_counter() - t0)
                             loser.add_done_callback(_late(on_late, urls[loser], t0))
                     if f is hedge:
                         self.won += 1
