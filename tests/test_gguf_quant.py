@@ -88,8 +88,9 @@ def test_every_tensor_keeps_its_gguf_block_type_and_values(model):
 
 def test_the_model_on_gguf_blocks_is_the_gguf_model(model):
     """The GGUF's own weights: a gguf vindex computes what an f32 vindex of the same file computes (the
-    f16 embedding table the only rounding), with the numpy reference (blocks dequantized) and with the
-    compact kernels (blocks as stored) alike; the float model differs by the file's quantization."""
+    f16 embedding table the only rounding) with the numpy reference (blocks dequantized), and the
+    compact kernels (blocks as stored, ggml's 8-bit activations) within that rounding; the float
+    model differs by the file's quantization."""
     f32 = model["root"] / "f32"
     if not f32.exists():
         extract(str(model["gguf"]), f32, dtype="f32", progress=False, log=lambda m: None)
@@ -100,9 +101,16 @@ def test_the_model_on_gguf_blocks_is_the_gguf_model(model):
     a = exact.head.logits(exact.forward(IDS))
     b = compact.head.logits(compact.forward(IDS))
     np.testing.assert_allclose(a, want, atol=5e-3, rtol=0)
-    np.testing.assert_allclose(b, a, atol=5e-3, rtol=0)
+    # The compact backend is ggml's arithmetic: activations quantized to 8 bits per block as llama.cpp
+    # does (Q8_0 / Q8_K), so it differs from the dequantized reference by that rounding compounded over
+    # the layers (up to ~3% of the range on these random tiny models; the kernels alone are checked to
+    # 1e-4 in test_kernels). Its argmax agrees wherever the reference's top-2 margin exceeds twice that.
+    err = float(np.abs(b - a).max())
+    assert err <= 0.05 * float(np.abs(a).max()), err
+    top2 = np.sort(a, axis=-1)[:, -2:]
+    clear = (top2[:, 1] - top2[:, 0]) > 2 * err
+    assert (a.argmax(-1) == b.argmax(-1))[clear].all()
     assert np.abs(a - reference_logits(model["hf"], IDS)).max() > 1e-2  # it is the 4-5 bit model, not the float one
-    assert list(compact.generate(IDS[:3], 5, stop_ids=[])) == list(exact.generate(IDS[:3], 5, stop_ids=[]))
 
 
 def test_verify_slice_and_every_role_serve_a_gguf_vindex(model, tmp_path):

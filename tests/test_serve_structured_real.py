@@ -101,10 +101,10 @@ def test_json_schema_strict_replies_validate_on_20_schemas(served, stream):
 
 def test_json_object_and_completions_take_response_format(served):
     c, model = served["client"], served["model"]
-    ask = "Describe a cat as a JSON object with the keys name and age."
-    content, finish, _ = _chat(c, model, ask, False, response_format={"type": "json_object"})
+    cat = "Describe a cat as a JSON object with the keys name and age."
+    content, finish, _ = _chat(c, model, cat, False, response_format={"type": "json_object"})
     assert finish == "stop" and isinstance(json.loads(content), dict)
-    content, finish, _ = _chat(c, model, ask, True, response_format={"type": "json_object"})
+    content, finish, _ = _chat(c, model, cat, True, response_format={"type": "json_object"})
     assert finish == "stop" and isinstance(json.loads(content), dict)
     name, schema, _ = SCHEMAS[7]  # order: nested objects in an array, bounded integers
     r = c.completions.create(model=model, prompt="A shop order as JSON: ", max_tokens=MAX_TOKENS, temperature=0,
