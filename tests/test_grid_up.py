@@ -77,7 +77,8 @@ def _up_generate_stop(argv: list[str], local_vindex, n_pids: int, ranges: list[s
         assert all(f"layers {r}" in text for r in ranges), text
         # A line as each role becomes ready: the wait is never silent, also into a pipe.
         assert "router ready (" in text and "embed ready (" in text, text
-        cmd = next(line.strip() for line in text.splitlines() if line.strip().startswith("larql generate"))
+        # `larql generate ...`, or the command by path when PATH does not find this installation's
+        cmd = next(line.strip() for line in text.splitlines() if re.match(r"(\S*/)?larql generate ", line.strip()))
         args = shlex.split(cmd)[1:]
         args[args.index("--max-tokens") + 1] = "4"
         r = larql(*args, "--json")
