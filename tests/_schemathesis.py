@@ -10,7 +10,10 @@ Two settings are ours, and both are about statuses, never about which checks run
   ``max_body_bytes``, which no JSON Schema keyword can state (the rows bound, ``max_rows``, is stated);
 - on larql-serve's ``POST /v1/completions`` and ``/v1/chat/completions`` a schema-valid request may
   be 400 (context_length_exceeded): text, as the tokenizer and the chat template make it tokens, must
-  fit the context, which no JSON Schema keyword can state either.
+  fit the context, which no JSON Schema keyword can state either;
+- on the embed server's (and the router's) ``POST /v1/logits`` a schema-valid request may be 400:
+  ``?masked=`` needs the binary many-rows body (a JSON body cannot carry the token bitmasks), a tie
+  between a parameter and the content type that OpenAPI cannot state.
 
 Link inference is off (the stateful phase then runs the links a document declares: none yet).
 """
@@ -51,7 +54,8 @@ def config(url: str, max_examples: int, seed: int) -> SchemathesisConfig:
                         "checks": {"positive_data_acceptance": {"expected-statuses": [*ACCEPTANCES, "413"]}}},
                        *({"include-path": path,
                           "checks": {"positive_data_acceptance": {"expected-statuses": [*ACCEPTANCES, "400"]}}}
-                         for path in ("/v1/completions", "/v1/chat/completions"))],
+                         for path in ("/v1/completions", "/v1/chat/completions",
+                                      "/v1/logits", "/v1/{model_id}/logits"))],
     })
     cfg.update(seed=seed, max_failures=None)
     cfg.output.sanitization.update(enabled=False)  # show token_ids and other "secret-looking" names
