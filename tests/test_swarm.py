@@ -371,13 +371,15 @@ def test_cut_worker_link_mid_generation_completes_on_the_other_replicas(full_gri
 
 def test_partition_router_from_a_node_evicts_its_members_then_they_rejoin(full_grid):
     g, s = full_grid, full_grid.swarm
-    router_url = g.routers()[0]
-    router_node = s.node(router_url.split("//")[1].split(":")[0])
-    other = [n for n in s.nodes if n is not router_node]
     ffn_nodes = {n.name for svc in FFN_SERVICES for n in s.task_nodes(svc)}
     embed_nodes = {n.name for n in s.task_nodes(EMBED)}
-    target = next((n for n in other if n.name in ffn_nodes and n.name not in embed_nodes), None)
-    assert target is not None, g.describe()
+    # A router and a node of FFN replicas (not the embed server's) other than the router's own. Which pair
+    # exists depends on where Swarm put the tasks: the link cut before this test may have moved a
+    # worker's tasks to the other nodes, so every router is tried.
+    pairs = [(url, node, n) for url in g.routers() for node in [s.node(url.split("//")[1].split(":")[0])]
+             for n in s.nodes if n is not node and n.name in ffn_nodes and n.name not in embed_nodes]
+    assert pairs, g.describe()
+    router_url, router_node, target = pairs[0]
     where = sw.task_nodes_by_id(s, STACK)
     victims = {tid for tid, n in where.items() if n is target
                and any(tid in {t["ID"] for t in s.tasks(svc)} for svc in FFN_SERVICES)}
