@@ -15,6 +15,7 @@ model not found), so it is turned into a failure. Only a skip whose reason start
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 from pathlib import Path
@@ -93,6 +94,22 @@ def _isolated_env(monkeypatch):
             monkeypatch.delenv(name)
     if _CACHE_DIR:
         monkeypatch.setenv("LARQL_CACHE_DIR", _CACHE_DIR)
+
+
+@pytest.fixture(autouse=True)
+def _logging_restored():
+    """A CLI's `main` run in-process (`setup_logging`, `basicConfig`) adds a handler bound to the
+    sys.stderr of that moment, a capture closed when its test ends: a later test's log line would
+    then print a "Logging error" traceback into whatever that test reads as stderr."""
+    loggers = [logging.getLogger(), logging.getLogger("larql")]
+    saved = [(lg, list(lg.handlers), lg.level, lg.propagate) for lg in loggers]
+    yield
+    for lg, handlers, level, propagate in saved:
+        for h in list(lg.handlers):
+            if h not in handlers and not type(h).__module__.startswith("_pytest"):  # pytest's own come and go per phase
+                lg.removeHandler(h)
+        lg.setLevel(level)
+        lg.propagate = propagate
 
 
 @pytest.fixture(autouse=True)
