@@ -30,8 +30,12 @@ from typing import Any
 from larql_edge.errors import LarqlError
 
 # The services of compose.yaml (compose.tls.yaml mounts DIR/<service>): servers by their service
-# name, `client` for the attention-only clients (grid, client) which present a certificate only.
-COMPOSE_NAMES = ("router", "embed", "ffn-a", "ffn-b", "serve", "edge", "prometheus", "client")
+# name, plus localhost for those published on the host's loopback (a client there connects to
+# https://localhost:PORT); `client` for the attention-only clients (grid, client: a client
+# certificate only).
+_LOOPBACK = "localhost,127.0.0.1"
+COMPOSE_NAMES = (f"router=router,{_LOOPBACK}", f"embed=embed,{_LOOPBACK}", "ffn-a", "ffn-b",
+                 f"serve=serve,{_LOOPBACK}", f"edge=edge,{_LOOPBACK}", "prometheus", "client")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 
 
@@ -157,7 +161,7 @@ def add_certs_parser(sub: Any) -> None:
     p.add_argument("dir", metavar="DIR", help="where the CA and the per-name folders go")
     p.add_argument("names", metavar="NAME[=HOST,...]", nargs="*",
                    help="a certificate per NAME, for its HOSTs (default: NAME); none: compose.yaml's services "
-                        f"({' '.join(COMPOSE_NAMES)})")
+                        f"({' '.join(n.split('=')[0] for n in COMPOSE_NAMES)}; the published ones also for localhost)")
     p.add_argument("--days", type=int, default=365, help="validity of the certificates issued now")
     p.add_argument("--ca-days", type=int, default=3650, help="validity of the CA, when it is made")
     p.add_argument("--renew", action="store_true", help="issue again the names that already have a certificate")
