@@ -250,6 +250,30 @@ def test_a_changed_ca_file_is_reloaded_into_the_client_context(pki, tmp_path):
         assert HttpClient(timeout=5).request("GET", srv.url + "/x").status_code == 200
 
 
+def test_tls_server_name_verifies_every_server_under_one_grid_name(pki, monkeypatch):
+    """--tls-server-name (Swarm: task names cannot be in a certificate): a server whose certificate
+    names only the grid is refused under its address, and accepted by both clients, and the
+    membership's joins, under the grid name; a name of another grid is still refused."""
+    from larql_edge.service.membership import RouterLink
+
+    server = pki.issue("grid-member", hosts=("larql-grid",))
+    with _TlsServer(tls.server_context(tls.TlsSettings(str(server.cert), str(server.key)))) as srv:
+        tls.configure_client(tls.TlsSettings(ca=str(pki.ca)))
+        with pytest.raises(ConnectFailed, match="certificate verify failed"):
+            HttpClient(timeout=5).request("GET", srv.url + "/x")
+        assert RouterLink(srv.url, "k", "https://m:1", "ffn", dict)._extensions == {}
+        args = _parse(["--tls-ca", str(pki.ca), "--tls-server-name", "larql-grid"], server=False, monkeypatch=monkeypatch)
+        assert tls.settings_from_args(args).server_name == "larql-grid"
+        assert HttpClient(timeout=5).request("GET", srv.url + "/x").json() == {"ok": True}
+        assert _async_get(srv.url + "/x").json() == {"ok": True}
+        assert RouterLink(srv.url, "k", "https://m:1", "ffn", dict)._extensions == {"sni_hostname": "larql-grid"}
+        tls.configure_client(tls.TlsSettings(ca=str(pki.ca), server_name="other-grid"))
+        with pytest.raises(ConnectFailed, match="certificate verify failed"):
+            HttpClient(timeout=5).request("GET", srv.url + "/x")
+    with pytest.raises(SetupError, match="not a DNS name"):
+        tls.settings_from_args(_parse(["--tls-server-name", "bad name/"], server=False, monkeypatch=monkeypatch))
+
+
 # -- slow tier: a grid of processes with mutual TLS on every hop ------------------------------------
 
 def _tls_env(pki_issued, pki: Pki, client_ca: bool) -> dict[str, str]:

@@ -30,7 +30,7 @@ from larql_edge.net.h1 import (
     ReplyTooLarge,
     TimedOut,
 )
-from larql_edge.net.tls import client_context
+from larql_edge.net.tls import client_context, verify_name
 
 PIECE = 64 << 10  # chunked and close-delimited bodies are read in pieces, so the size bound stops early
 
@@ -81,6 +81,11 @@ class _TlsConnection(http.client.HTTPSConnection):
 
     def __init__(self, host: str, port: int, connect_timeout: float):
         super().__init__(host, port, timeout=connect_timeout, context=client_context())
+
+    def connect(self) -> None:
+        # http.client's, with the name the server is verified under (--tls-server-name)
+        http.client.HTTPConnection.connect(self)
+        self.sock = self._context.wrap_socket(self.sock, server_hostname=verify_name(self.host))  # type: ignore[attr-defined]
 
     def start(self, timeout: float, deadline: float) -> None:
         self.sock.settimeout(max(1e-3, deadline - time.monotonic()))

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import ssl
 import tempfile
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from larql_edge.errors import SetupError
 log = logging.getLogger("larql.tls")
 
 PEM_START = "-----BEGIN"
+_HOST_NAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$")
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,7 @@ class TlsSettings:
     key: str | None = None
     ca: str | None = None
     client_ca: str | None = None
+    server_name: str | None = None
 
     @property
     def serving(self) -> bool:
@@ -60,6 +63,9 @@ def add_tls_flags(flags: Flags, server: bool) -> None:
     flags.add("--tls-key", default=None, metavar="PATH", path_twin=True, help="private key (PEM) of --tls-cert")
     flags.add("--tls-ca", default=None, metavar="PATH", path_twin=True,
               help="CA certificate(s) (PEM) that https:// servers are verified against (default: the system's trust store)")
+    flags.add("--tls-server-name", default=None, metavar="NAME",
+              help="verify every https:// server under this name instead of its URL's host (a grid whose "
+                   "members cannot be named in advance, e.g. Swarm tasks: one grid-wide name only the grid's CA issues)")
     if server:
         flags.add("--tls-client-ca", default=None, metavar="PATH", path_twin=True,
                   help="demand client certificates signed by this CA (mutual TLS; needs --tls-cert)")
@@ -70,7 +76,9 @@ def settings_from_args(args: Any) -> TlsSettings:
 
     Raises SetupError with a one-line message (never a key's content)."""
     s = TlsSettings(*(_materialize(getattr(args, f"tls_{n}", None), f"--tls-{n.replace('_', '-')}")
-                      for n in ("cert", "key", "ca", "client_ca")))
+                      for n in ("cert", "key", "ca", "client_ca")), server_name=getattr(args, "tls_server_name", None) or None)
+    if s.server_name is not None and not _HOST_NAME.match(s.server_name):
+        raise SetupError(f"--tls-server-name {s.server_name!r}: not a DNS name")
     if bool(s.cert) != bool(s.key):
         raise SetupError("--tls-cert and --tls-key go together")
     if s.client_ca and not s.cert:
@@ -150,6 +158,12 @@ def configure_client(s: TlsSettings) -> None:
     global _client, _client_settings
     _client_settings = s
     _client = make_client_context(s) if (s.ca or s.cert) else None
+
+
+def verify_name(host: str) -> str:
+    """The name an https:// server at ``host`` is verified under (and sent as SNI): ``host`` itself,
+    unless ``--tls-server-name`` names one for every server."""
+    return _client_settings.server_name or host
 
 
 def client_context() -> ssl.SSLContext:

@@ -34,7 +34,7 @@ from sanic.response import HTTPResponse, json
 
 from larql_edge.config import Flags
 from larql_edge.errors import ProtocolError, Unauthorized
-from larql_edge.net.tls import client_context
+from larql_edge.net.tls import client_context, verify_name
 from larql_edge.service.identity import rss_bytes
 from larql_edge.wire.grid import HEARTBEAT, JOIN, LEAVE, check_url
 
@@ -162,8 +162,12 @@ class RouterLink:
 
     @property
     def _extensions(self) -> dict:
-        name = SERVER_NAMES.get(self.router)
-        return {"sni_hostname": name} if name and self.router.startswith("https:") else {}
+        # over https the router is verified under the name its address came from, or --tls-server-name
+        if not self.router.startswith("https:"):
+            return {}
+        host = urlsplit(self.router).hostname or ""
+        name = verify_name(SERVER_NAMES.get(self.router, host))
+        return {"sni_hostname": name} if name != host else {}
 
     async def _post(self, path: str, body: dict, timeout: float | None = None) -> httpx.Response:
         assert self._client is not None
