@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from larql_edge.config import Flags
 from larql_edge.errors import LarqlError
 
 # The services of compose.yaml (compose.tls.yaml mounts DIR/<service>): servers by their service
@@ -162,12 +163,14 @@ def add_certs_parser(sub: Any) -> None:
     p.add_argument("names", metavar="NAME[=HOST,...]", nargs="*",
                    help="a certificate per NAME, for its HOSTs (default: NAME); none: compose.yaml's services "
                         f"({' '.join(n.split('=')[0] for n in COMPOSE_NAMES)}; the published ones also for localhost)")
-    p.add_argument("--days", type=int, default=365, help="validity of the certificates issued now")
-    p.add_argument("--ca-days", type=int, default=3650, help="validity of the CA, when it is made")
-    p.add_argument("--renew", action="store_true", help="issue again the names that already have a certificate")
-    p.add_argument("--readable-keys", action="store_true",
-                   help="service keys mode 0644 inside 0700 folders (Docker Compose file secrets keep the host's mode; "
-                        "the images run as uid 10001)")
+    f = Flags(p)
+    c = lambda flag: "LARQL_CERTS_" + flag.lstrip("-").replace("-", "_").upper()  # noqa: E731
+    f.add("--days", type=int, default=365, env=c("--days"), help="validity of the certificates issued now")
+    f.add("--ca-days", type=int, default=3650, env=c("--ca-days"), help="validity of the CA, when it is made")
+    f.switch("--renew", env=c("--renew"), help="issue again the names that already have a certificate")
+    f.switch("--readable-keys", env=c("--readable-keys"),
+             help="service keys mode 0644 inside 0700 folders (Docker Compose file secrets keep the host's mode; "
+                  "the images run as uid 10001)")
     p.set_defaults(func=certs_command)
 
 
