@@ -100,9 +100,12 @@ def test_grid_certs_defaults_to_the_compose_services_and_refuses_bad_names(tmp_p
     assert not (tmp_path / "escape").exists()
 
 
-def test_prometheus_tls_config_scrapes_the_same_jobs_over_https():
-    plain = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text())
-    tls = yaml.safe_load((ROOT / "deploy/prometheus/prometheus-tls.yml").read_text())
+@pytest.mark.parametrize("plain_path, tls_path, server_name", [
+    ("deploy/prometheus/prometheus.yml", "deploy/prometheus/prometheus-tls.yml", None),
+    ("deploy/swarm/prometheus.yml", "deploy/swarm/prometheus-tls.yml", "larql-grid")])
+def test_prometheus_tls_config_scrapes_the_same_jobs_over_https(plain_path, tls_path, server_name):
+    plain = yaml.safe_load((ROOT / plain_path).read_text())
+    tls = yaml.safe_load((ROOT / tls_path).read_text())
     strip = lambda job: {k: v for k, v in job.items() if k not in ("scheme", "tls_config")}  # noqa: E731
     assert {k: v for k, v in tls.items() if k != "scrape_configs"} == \
         {k: v for k, v in plain.items() if k != "scrape_configs"}
@@ -111,7 +114,8 @@ def test_prometheus_tls_config_scrapes_the_same_jobs_over_https():
         if job["job_name"].startswith("larql-"):
             assert job["scheme"] == "https"
             assert job["tls_config"] == {"ca_file": "/run/secrets/ca.crt", "cert_file": "/run/secrets/tls.crt",
-                                         "key_file": "/run/secrets/tls.key"}
+                                         "key_file": "/run/secrets/tls.key",
+                                         **({"server_name": server_name} if server_name else {})}
 
 
 # ---- the images' scripts, against a real mutual-TLS server -----------------------------------------
@@ -182,6 +186,69 @@ def test_edge_start_renders_nginx_with_tls_on_both_sides(tmp_path):
     varnish = subprocess.run(["sh", str(ROOT / "docker/roles/larql-varnish-start"), "--check"], env=env,
                              capture_output=True, text=True, timeout=60)
     assert varnish.returncode == 2 and "use the nginx edge" in varnish.stderr
+
+
+# ---- the Swarm stack's TLS overlay (deploy/swarm/larql-grid.tls.yaml, deploy.sh --tls) -------------
+
+def _swarm_certs_command() -> list[str]:
+    """The `larql-grid certs` line the overlay's header documents (so the test runs what a user copies)."""
+    text = (ROOT / "deploy/swarm/larql-grid.tls.yaml").read_text()
+    start = text.index("#   larql-grid certs DIR ")
+    lines = []
+    for line in text[start:].splitlines():
+        lines.append(line.lstrip("#").strip().rstrip("\\").strip())
+        if not line.rstrip().endswith("\\"):
+            break
+    return " ".join(lines).split()[2:]  # after "larql-grid certs"
+
+
+@pytest.mark.multiprocess
+def test_swarm_tls_overlay_merges_into_the_stack_with_secrets_and_https(tmp_path):
+    """`docker stack config -c larql-grid.yaml -c larql-grid.tls.yaml` (the docker CLI's own merge,
+    no engine needed): every larql service gets its certificate as a Swarm secret owned by its user,
+    members join and announce https://, every process verifies under the grid name its certificate
+    covers, Prometheus's config is the TLS one. The certificates come from the documented command."""
+    import shutil
+
+    if shutil.which("docker") is None and not os.environ.get("CI"):
+        pytest.skip("docker CLI not installed")
+    args = _swarm_certs_command()
+    assert args[0] == "DIR"
+    out = tmp_path / "tls"
+    assert grid_main(["certs", str(out), *args[1:]]) == 0
+    for svc in ("router", "embed", "ffn", "serve", "edge", "prometheus"):
+        assert {"larql-grid"} <= _sans(out / svc / "tls.crt"), svc
+    assert {"ffn-a", "ffn-b"} <= _sans(out / "ffn/tls.crt")
+    proc = subprocess.run(["docker", "stack", "config", "-c", "larql-grid.yaml", "-c", "larql-grid.tls.yaml"],
+                          cwd=ROOT / "deploy/swarm", env={**os.environ, "LARQL_TLS_DIR": str(out)},
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    stack = yaml.safe_load(proc.stdout)
+    users = {"prometheus": "65534"}
+    for name, svc in stack["services"].items():
+        secrets = {x["target"]: x for x in svc.get("secrets", [])}
+        assert {"ca.crt", "tls.crt", "tls.key"} <= set(secrets), name
+        assert secrets["tls.key"]["mode"] == 0o400 and secrets["tls.key"]["uid"] == users.get(name, "10001"), name
+        src = stack["secrets"][secrets["tls.crt"]["source"]]["file"]
+        assert Path(src).is_file() and Path(src).parent.parent == out, (name, src)
+        env = svc.get("environment") or {}
+        if name == "prometheus":
+            continue
+        assert env["LARQL_TLS_CERT_FILE"] == "/run/secrets/tls.crt" and env["LARQL_TLS_CA_FILE"] == "/run/secrets/ca.crt"
+        if name != "edge":
+            assert env["LARQL_TLS_SERVER_NAME"] == "larql-grid"
+        assert ("LARQL_TLS_CLIENT_CA_FILE" in env) == (name in ("router", "embed", "ffn-a", "ffn-b")), name
+        if "LARQL_JOIN" in env:
+            assert env["LARQL_JOIN"] == "https://router:9090" and env["LARQL_PUBLIC_URL"].startswith("https://{{.Task.Name}}:")
+    assert stack["services"]["ffn-a"]["environment"]["LARQL_LAYERS"] == "0-8"
+    assert stack["services"]["ffn-b"]["environment"]["LARQL_LAYERS"] == "9-17"
+    assert stack["services"]["serve"]["environment"]["LARQL_FFN"] == "https://router:9090"
+    assert stack["configs"]["prometheus"]["file"].endswith("prometheus-tls.yml")
+    # deploy.sh names every secret by the certificate's content (a renewal is a new name: rolled out)
+    text = (ROOT / "deploy/swarm/deploy.sh").read_text()
+    for svc in ("router", "embed", "ffn", "serve", "edge", "prometheus"):
+        assert f"LARQL_TLS_{svc.upper()}_CRT_NAME" in (ROOT / "deploy/swarm/larql-grid.tls.yaml").read_text()
+    assert 'TLS_SERVICES="router embed ffn serve edge prometheus"' in text
 
 
 # ---- compose.tls.yaml with the real Docker engine -------------------------------------------------
