@@ -16,6 +16,8 @@ import socket
 import ssl
 import stat
 import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -120,17 +122,23 @@ def test_prometheus_tls_config_scrapes_the_same_jobs_over_https(plain_path, tls_
 
 # ---- the images' scripts, against a real mutual-TLS server -----------------------------------------
 
-def _healthcheck(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
+def _healthcheck(env: dict[str, str], *args: str, path: str | None = None) -> subprocess.CompletedProcess:
     base = {k: v for k, v in os.environ.items() if not k.startswith("LARQL_TLS")}
-    return subprocess.run(["sh", str(ROOT / "docker/roles/larql-healthcheck"), *args], env={**base, **env},
+    if path is not None:
+        base["PATH"] = path
+    return subprocess.run(["/bin/sh", str(ROOT / "docker/roles/larql-healthcheck"), *args], env={**base, **env},
                           capture_output=True, text=True, timeout=30)
 
 
 @pytest.mark.multiprocess
 def test_image_healthcheck_speaks_mutual_tls_when_the_server_does(tmp_path):
     """The HEALTHCHECK of every image under compose.tls.yaml / the Swarm stack / Helm exec probes: with
-    the server's own LARQL_TLS_* it reaches https://127.0.0.1 (chain verified, client certificate shown);
-    without a client certificate the server refuses it, so the probe really went through mutual TLS."""
+    the server's own LARQL_TLS_* it reaches https://127.0.0.1 presenting the client certificate, by
+    curl (the larql-base images have it) and by the Python fallback (a base without curl), which also
+    verifies the server's chain; without a client certificate the server refuses it, so the probe
+    really went through mutual TLS."""
+    import shutil
+
     grid_main(["certs", str(tmp_path / "tls"), "router", "stranger"])
     d = tmp_path / "tls"
     server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
@@ -139,23 +147,34 @@ def test_image_healthcheck_speaks_mutual_tls_when_the_server_does(tmp_path):
     server.verify_mode = ssl.CERT_REQUIRED
     env = {"LARQL_TLS_CERT_FILE": str(d / "router/tls.crt"), "LARQL_TLS_KEY_FILE": str(d / "router/tls.key"),
            "LARQL_TLS_CA_FILE": str(d / "ca.crt")}
+    # a PATH with Python and no curl: the fallback
+    no_curl = tmp_path / "bin"
+    no_curl.mkdir()
+    (no_curl / "python3").symlink_to(sys.executable)
+    other_ca = tmp_path / "other"
+    grid_main(["certs", str(other_ca), "x"])
+    assert shutil.which("curl") or os.environ.get("CI") is None
     with _TlsServer(server) as srv:
         env["LARQL_PORT"] = str(srv.port)
-        ok = _healthcheck(env)
-        assert ok.returncode == 0, ok.stderr
-        ok = _healthcheck(env, "--any", f"http://127.0.0.1:{srv.port}/v1/health")  # the edge's form
-        assert ok.returncode == 0, ok.stderr
-        no_cert = _healthcheck({"LARQL_TLS_CERT_FILE": env["LARQL_TLS_CERT_FILE"], "LARQL_TLS_CA_FILE": env["LARQL_TLS_CA_FILE"],
-                                "LARQL_PORT": env["LARQL_PORT"]})
-        assert no_cert.returncode != 0
-        other_ca = tmp_path / "other"
-        grid_main(["certs", str(other_ca), "x"])
-        wrong_ca = _healthcheck({**env, "LARQL_TLS_CA_FILE": str(other_ca / "ca.crt")})
+        for path in ([None] if shutil.which("curl") else []) + [str(no_curl)]:
+            ok = _healthcheck(env, path=path)
+            assert ok.returncode == 0, (path, ok.stderr)
+            ok = _healthcheck(env, "--any", f"http://127.0.0.1:{srv.port}/v1/health", path=path)  # the edge's form
+            assert ok.returncode == 0, (path, ok.stderr)
+            no_cert = _healthcheck({"LARQL_TLS_CERT_FILE": env["LARQL_TLS_CERT_FILE"], "LARQL_TLS_CA_FILE": env["LARQL_TLS_CA_FILE"],
+                                    "LARQL_PORT": env["LARQL_PORT"]}, path=path)
+            assert no_cert.returncode != 0, path
+            stranger = _healthcheck({**env, "LARQL_TLS_CERT_FILE": str(other_ca / "x/tls.crt"),
+                                     "LARQL_TLS_KEY_FILE": str(other_ca / "x/tls.key")}, path=path)
+            assert stranger.returncode != 0, path  # the server's client CA refuses it
+        wrong_ca = _healthcheck({**env, "LARQL_TLS_CA_FILE": str(other_ca / "ca.crt")}, path=str(no_curl))
         assert wrong_ca.returncode != 0 and "certificate verify failed" in wrong_ca.stderr
+        assert "Traceback" not in wrong_ca.stderr
         pem_env = _healthcheck({"LARQL_PORT": env["LARQL_PORT"], "LARQL_TLS_CERT": (d / "router/tls.crt").read_text(),
                                 "LARQL_TLS_KEY": (d / "router/tls.key").read_text(),
                                 "LARQL_TLS_CA": (d / "ca.crt").read_text()})
         assert pem_env.returncode == 0, pem_env.stderr  # the PEMs themselves in the environment
+        assert not list(Path(tempfile.gettempdir()).glob("larql-health-*"))
 
 
 @pytest.mark.multiprocess
