@@ -109,6 +109,7 @@ def create_app(registry: Registry, grid_key: str, limits: Limits | None = None, 
 async def _housekeeping(app: Sanic, registry: Registry, metrics: RouterMetrics) -> None:
     """Evict members whose heartbeats stopped; probe static members; refresh the gauges."""
     period = max(0.05, registry.heartbeat_interval / 2)
+    loop = asyncio.get_running_loop()
     while True:
         try:
             for m in registry.evict_stale():
@@ -122,7 +123,11 @@ async def _housekeeping(app: Sanic, registry: Registry, metrics: RouterMetrics) 
             raise
         except Exception:  # housekeeping must outlive any one bad round
             log.exception("housekeeping round failed")
+        t0 = loop.time()
         await asyncio.sleep(period)
+        # Later than asked: this router was stalled (or starved of CPU) meanwhile; heartbeats that
+        # arrived then are still unread, so that time is not the members' silence.
+        registry.note_stall(loop.time() - t0 - period)
 
 
 async def _probe_static(app: Sanic, registry: Registry) -> None:

@@ -85,7 +85,7 @@ class Upstream:
                 done, _ = await asyncio.wait({task}, timeout=min(0.5, reg.heartbeat_interval / 2))
                 if done:
                     return task.result()
-                silent = reg.clock() - m.last_seen
+                silent = reg.silence(m)
                 if silent > reg.evict_after:
                     raise MemberSilent(f"no heartbeat for {silent:.1f} s")
         finally:
