@@ -3,6 +3,7 @@ softcap: written once, in model/), built with the server's lm_head cache folder 
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +16,8 @@ from larql_edge.model.spec import ModelSpec
 
 __all__ = ["LogitsHead", "log_normaliser", "top_k_ids"]
 
+log = logging.getLogger("larql.embed")
+
 # Every residual reaching the head is finite and bounded (`larql_edge.wire.numbers.finite_f32`), and the
 # final norm and softcap keep good weights' logits finite: a NaN or Inf logit is a damaged lm_head
 # (a corrupted block scale, a bad row), never the caller's doing.
@@ -26,6 +29,15 @@ class LogitsHead(LocalHead):
     def __init__(self, vx: Vindex, spec: ModelSpec, cache_dir: Path | None, backend: Backend | None = None,
                  lm_head_format: str = "auto"):
         super().__init__(vx, spec, backend, cache_dir, lm_head_format)
+
+    def warm_up(self) -> None:
+        """A damaged lm_head is seen here already (zeros times a NaN scale): said at start, and every
+        logits request is then a 503. Not a load failure: the embedding rows (and, tied, all but the
+        damaged ones) still serve, each checked on its own."""
+        try:
+            super().warm_up()
+        except ServiceUnavailable as e:
+            log.error("%s: every /v1/logits request will be a 503", e)
 
     def logits(self, h: np.ndarray) -> np.ndarray:
         """As `LocalHead.logits`, and damaged weights are this server's failure: a 503 (the router
