@@ -96,8 +96,8 @@ def head_too_large(request: Request | None, limit: int) -> tuple[int, str]:
 
 def response_for(exc: BaseException, request: Request | None, body: ErrorBody | None = None) -> HTTPResponse:
     if isinstance(exc, SanicException) and getattr(exc, "status_code", None) == 413 and str(exc) == _HEAD_TOO_LARGE:
-        limit = int(getattr(getattr(request, "app", None), "config", {}).get("REQUEST_MAX_HEADER_SIZE", MAX_HEAD_BYTES)) \
-            if request is not None else MAX_HEAD_BYTES
+        # Sanic's effective bound (a class attribute: the least of the head size and the body limit)
+        limit = int(getattr(getattr(request, "stream", None), "HEADER_MAX_SIZE", 0) or MAX_HEAD_BYTES)
         status, msg = head_too_large(request, limit)
         return error_response(status, msg, None, body, exc)
     if isinstance(exc, LarqlError):
