@@ -91,13 +91,15 @@ def _deployment(grid, role: str) -> dict:
 @pytest.mark.parametrize("role", ["embed", "ffn", "router"])
 def test_schemathesis_finds_no_failure(grid, role):
     """Every check of schemathesis, every phase, against the document narrowed to this deployment
-    (SCHEMATHESIS_EXAMPLES=25 for a longer run: about a minute instead of half)."""
+    (SCHEMATHESIS_EXAMPLES=25 for a longer run: about a minute instead of half; SCHEMATHESIS_SEED
+    for other cases)."""
     from importlib import import_module
 
     from tests._schemathesis import run
 
     doc = import_module(f"larql_edge.roles.{role}.openapi").openapi_spec(_deployment(grid, role))
-    report = run(doc, grid[role].url, max_examples=int(os.environ.get("SCHEMATHESIS_EXAMPLES", "5")))
+    report = run(doc, grid[role].url, max_examples=int(os.environ.get("SCHEMATHESIS_EXAMPLES", "5")),
+                 seed=int(os.environ.get("SCHEMATHESIS_SEED", "1")))
     print(f"schemathesis {role}: {report}")
     assert report.cases > 100
     assert not report.failures and not report.errors, str(report)
