@@ -57,6 +57,7 @@ class GraphCache:
     slack: int = 0  # accepted for KVCache's interface; nothing is trimmed here
     k: list[np.ndarray] = field(default_factory=list, repr=False)
     v: list[np.ndarray] = field(default_factory=list, repr=False)
+    addrs: list[tuple[int, int]] = field(default_factory=list, repr=False)  # each layer's (K, V) buffer address
 
     def reserve(self, n: int) -> None:
         """Room for ``n`` positions (grows by doubling; the kept positions are copied)."""
@@ -71,6 +72,7 @@ class GraphCache:
             k[i][:, : self.length] = self.k[i][:, : self.length]
             v[i][:, : self.length] = self.v[i][:, : self.length]
         self.k, self.v, self.capacity = k, v, cap
+        self.addrs = [(a.ctypes.data, b.ctypes.data) for a, b in zip(k, v, strict=True)]
 
     def truncate(self, length: int, windows: Sequence[int | None] | None = None) -> None:
         """Forget the positions from ``length`` on (speculative decoding's rollback)."""
@@ -281,6 +283,8 @@ class GraphEngine:
         self.glu_name = {"gelu_tanh": "ggml_geglu_split", "silu": "ggml_swiglu_split"}[spec.family.activation]
         self._weights: dict[int, tuple] = {}  # id(matrix) -> (tensor, ctx memory) in a weights context
         self._graphs: OrderedDict[tuple, _Step] = OrderedDict()
+        self._layer_kind = [spec.sliding_window if spec.is_sliding(i) else None for i in range(spec.num_layers)]
+        self._kinds = sorted(set(self._layer_kind), key=lambda w: w or 0)
         self._lock = threading.Lock()
         self._wmem = None
         self._wctx = None
@@ -343,11 +347,11 @@ class GraphEngine:
         s = self.spec
         return GraphCache(s.num_layers, s.num_kv_heads, s.head_dim, slack=slack)
 
-    def _graph(self, seq: int, cap: int, lens: dict, head: bool) -> _Step:
-        key = (seq, cap, tuple(sorted(lens.items(), key=lambda kv: kv[0] or 0)), head)
+    def _graph(self, seq: int, cap: int, lens: tuple, head: bool) -> _Step:
+        key = (seq, cap, lens, head)
         g = self._graphs.get(key)
         if g is None:
-            g = _Step(self, seq, cap, lens, head)
+            g = _Step(self, seq, cap, dict(lens), head)
             self._graphs[key] = g
             while len(self._graphs) > _MAX_GRAPHS:
                 self._graphs.popitem(last=False)
@@ -368,18 +372,18 @@ class GraphEngine:
             return self._step(rows, cache, head)
 
     def _step(self, rows: np.ndarray, cache: GraphCache, head: bool) -> np.ndarray:
-        s = self.spec
         seq, start = rows.shape[0], cache.length
         end = start + seq
         cache.reserve(end)
         cap = cache.capacity
-        windows = {s.sliding_window if s.is_sliding(i) else None for i in range(s.num_layers)}
-        spans = {}
-        for w in windows:
+        # each window kind's first attended cache position and length (a multiple of _BUCKET)
+        spans, lens = {}, []
+        for w in self._kinds:
             lo = 0 if w is None else max(0, start - w + 1)
             n = _rounded(end - lo, cap)
             spans[w] = (min(lo, cap - n), n)
-        g = self._graph(seq, cap, {w: n for w, (_, n) in spans.items()}, head)
+            lens.append((w, n))
+        g = self._graph(seq, cap, tuple(lens), head)
         g.inp[:] = rows
         g.pos[:] = np.arange(start, end, dtype=np.int32)
         q_pos = g.pos[:, None]
@@ -391,14 +395,14 @@ class GraphEngine:
             m = g.masks[w]
             m.fill(-np.inf)
             m[ok] = 0.0
-        hd4 = s.head_dim * 4
-        for i in range(s.num_layers):
-            kb, vb = cache.k[i].ctypes.data, cache.v[i].ctypes.data
-            a = spans[s.sliding_window if s.is_sliding(i) else None][0]
-            g.k_write[i].data = kb + start * hd4
-            g.v_write[i].data = vb + start * 4
-            g.k_read[i].data = kb + a * hd4
-            g.v_read[i].data = vb + a * 4
+        hd4 = self.spec.head_dim * 4
+        kw, vw, kr, vr = g.k_write, g.v_write, g.k_read, g.v_read
+        for i, (w, (kb, vb)) in enumerate(zip(self._layer_kind, cache.addrs, strict=True)):
+            a = spans[w][0]
+            kw[i].data = kb + start * hd4
+            vw[i].data = vb + start * 4
+            kr[i].data = kb + a * hd4
+            vr[i].data = vb + a * 4
         g.run(*_pool.get())
         cache.length = end
         return g.out.copy()
