@@ -24,6 +24,7 @@ import numpy as np
 
 from larql_edge.errors import RemoteError, WireError
 from larql_edge.format.layers import gaps
+from larql_edge.model.head import Top
 from larql_edge.net.direct import DirectPath
 from larql_edge.net.failures import is_caller_mistake, is_success
 from larql_edge.net.h1 import ConnectFailed, Reply, Superseded, TransportError, describe, error_text
@@ -218,44 +219,68 @@ class RemoteHead:
         return self.replicas.request(self._urls(), "POST", "/v1/logits", content=body,
                                      headers={"content-type": "application/json"}, decode=decode, hop=("logits", None))
 
-    def top_k_rows(self, h: np.ndarray, k: int,
-                   masks: Sequence[np.ndarray | None] | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
+    def top_k_rows(self, h: np.ndarray, k: int, masks: Sequence[np.ndarray | None] | None = None,
+                   extra: Sequence[np.ndarray | None] | None = None) -> list[Top]:
         """The top ``k`` (ids, log-probabilities at temperature 1) of every row, in ONE request: the
         embed server's many-rows form (binary ``?rows=N``, answered as top-k JSON per row), which its
         batcher multiplies as one lm_head product. larql-serve's head: one request per decode step.
-        ``masks`` (per row None or a token bitmask) go with the rows (``&masked=``), applied before top-k."""
+        ``masks`` (per row None or a token bitmask) go with the rows (``&masked=``), applied before
+        top-k; ``extra`` (per row None or token ids, at most `MAX_EXTRA_IDS`) are asked for whatever
+        their rank (``&extra=``) and follow the top k (`Top`)."""
         rows = np.ascontiguousarray(np.atleast_2d(np.asarray(h, dtype=np.float32)))
         k = max(1, min(k, self.vocab))
         if rows.shape[0] > self.MAX_ROWS:  # the embed server's max_batch (default): more rows, more requests
             return [t for i in range(0, rows.shape[0], self.MAX_ROWS)
                     for t in self.top_k_rows(rows[i : i + self.MAX_ROWS], k,
-                                             None if masks is None else masks[i : i + self.MAX_ROWS])]
+                                             None if masks is None else masks[i : i + self.MAX_ROWS],
+                                             None if extra is None else extra[i : i + self.MAX_ROWS])]
         masked = [i for i, m in enumerate(masks or ()) if m is not None]
+        listed = [i for i, e in enumerate(extra or ()) if e is not None and len(e)]
 
-        def decode(r: Reply) -> list[tuple[np.ndarray, np.ndarray]]:
+        def entries(top: list) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+            ids = np.array([int(t["token_id"]) for t in top], dtype=np.int64)
+            lps = np.array([float(t["logprob"]) for t in top], dtype=np.float64)
+            logits = np.array([float(t["logit"]) for t in top], dtype=np.float64)
+            if ids.size and (ids.min() < 0 or ids.max() >= self.vocab):
+                raise ValueError("a token outside the vocabulary")
+            return ids, lps, logits
+
+        def decode(r: Reply) -> list[Top]:
             try:
-                got = r.json()["rows"]
-                if len(got) != rows.shape[0]:
+                body = r.json()
+                got = body["rows"]
+                more = body["extra"] if listed else [[]] * len(got)
+                if len(got) != rows.shape[0] or len(more) != rows.shape[0]:
                     raise ValueError(f"{len(got)} rows for {rows.shape[0]}")
                 out = []
-                for top in got:
-                    ids = np.array([int(t["token_id"]) for t in top], dtype=np.int64)
-                    lps = np.array([float(t["logprob"]) for t in top], dtype=np.float64)
-                    if ids.size == 0 or ids.min() < 0 or ids.max() >= self.vocab:
-                        raise ValueError("a row names no token, or one outside the vocabulary")
-                    out.append((ids, lps))
+                for top, add in zip(got, more, strict=True):
+                    ids, lps, logits = entries(top)
+                    if ids.size == 0:
+                        raise ValueError("a row names no token")
+                    floor = float(lps[-1]) if ids.size == k and k < self.vocab else float("-inf")
+                    xids, xlps, _ = entries(add)
+                    keep = ~np.isin(xids, ids)
+                    xids, xlps = xids[keep], xlps[keep]
+                    order = np.lexsort((xids, -xlps))
+                    # logit = lp + lse at temperature 1, the same for every token of the row
+                    out.append(Top(np.concatenate([ids, xids[order]]), np.concatenate([lps, xlps[order]]),
+                                   float(np.median(logits - lps)), floor))
             except (ValueError, KeyError, TypeError) as e:
                 raise RemoteError(f"malformed many-rows logits ({e})") from None
             return out
 
+        query = f"/v1/logits?rows={rows.shape[0]}&top_k={k}&temperature=1"
         if masked:
             assert masks is not None
+            query += f"&masked={','.join(map(str, masked))}"
             bits = np.stack([np.asarray(masks[i]).reshape(-1) for i in masked])
-            query = f"/v1/logits?rows={rows.shape[0]}&top_k={k}&temperature=1&masked={','.join(map(str, masked))}"
             content = embed_wire.encode_logits_masked_rows_request(rows, bits)
         else:
-            query = f"/v1/logits?rows={rows.shape[0]}&top_k={k}&temperature=1"
             content = embed_wire.encode_logits_rows_request(rows)
+        if listed:
+            assert extra is not None
+            query += f"&extra={','.join(map(str, listed))}"
+            content += embed_wire.encode_extra_ids([extra[i] for i in listed])  # type: ignore[misc]
         return self.replicas.request(self._urls(), "POST", query, content=content,
                                      headers={"content-type": ffn_wire.CONTENT_TYPE}, decode=decode, hop=("logits", None))
 
