@@ -111,11 +111,14 @@ class Seq:
     _next = 0
 
     def __init__(self, prompt_ids: Sequence[int], params: Params, loop: asyncio.AbstractEventLoop,
-                 events: asyncio.Queue[Event] | None = None, index: int = 0, constraint: Any = None):
+                 events: asyncio.Queue[Event] | None = None, index: int = 0, constraint: Any = None,
+                 ends: Callable[[str], bool] | None = None):
         """``events``: a request's n sequences post to one queue, each event carrying its ``index``;
-        ``constraint``: its own `structured.Constraint` (never shared between sequences), or None."""
+        ``constraint``: its own `structured.Constraint` (never shared between sequences), or None;
+        ``ends``: says, of the text so far, that the reply is whole (a tool-call list that repeats a call)."""
         Seq._next += 1
         self.constraint = constraint  # a structured.Constraint, or None
+        self.ends = ends
         self.id = Seq._next
         self.index = index
         self.prompt = list(prompt_ids)
@@ -541,6 +544,9 @@ class Scheduler:
         if self._release(s, final=False):
             self._finish(s, "stop")
         elif s.constraint is not None and s.constraint.complete:
+            self._release(s, final=True)
+            self._finish(s, "stop")
+        elif s.ends is not None and s.ends(self.tok.decode(s.generated, skip_special_tokens=True)):
             self._release(s, final=True)
             self._finish(s, "stop")
         elif len(s.generated) >= s.params.max_tokens or s.cache is None or s.cache.length + 1 > s.cache.context:
