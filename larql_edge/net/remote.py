@@ -27,9 +27,9 @@ from larql_edge.format.layers import gaps
 from larql_edge.model.head import Top
 from larql_edge.net.direct import DirectPath
 from larql_edge.net.failures import is_caller_mistake, is_success
-from larql_edge.net.h1 import ConnectFailed, Reply, TransportError, describe, error_text
+from larql_edge.net.h1 import ConnectFailed, Reply, Superseded, TransportError, describe, error_text
 from larql_edge.net.h1_sync import HttpClient
-from larql_edge.net.hops import Hedger, Hop, HopLog, server_seconds
+from larql_edge.net.hops import Hedger, Hop, HopLog, HopTimes, StallWaiter, server_seconds
 from larql_edge.wire import VINDEX_HEADER
 from larql_edge.wire import embed as embed_wire
 from larql_edge.wire import ffn as ffn_wire
@@ -71,9 +71,10 @@ class Replicas:
     def request(self, urls: Sequence[str], method: str, path: str, *, content: bytes | None = None,
                 headers: dict[str, str] | None = None, about: str = "",
                 decode: Callable[[Reply], T] = lambda r: r,  # type: ignore[assignment,return-value]
-                hop: tuple[str, int | None] | None = None) -> T:
+                hop: tuple[str, int | None] | None = None, waiter: Callable[[str], object] | None = None) -> T:
         """The first replica's decoded reply. ``decode`` raises `WireError` (or `RemoteError`) for a
-        reply it cannot use: like a timeout, that is the replica's failure, and the next one is tried."""
+        reply it cannot use: like a timeout, that is the replica's failure, and the next one is tried.
+        ``waiter(url)``: the `Waiter` of a request to ``url`` (or None), e.g. a stall bound."""
         key = tuple(urls)
         first = self._preferred.get(key)
         order = list(urls)
@@ -87,7 +88,8 @@ class Replicas:
             url = order[attempt % len(order)]
             t0 = time.perf_counter()
             try:
-                r = self.client.request(method, url + path, content=content, headers=headers)
+                r = self.client.request(method, url + path, content=content, headers=headers,
+                                        waiter=None if waiter is None else waiter(url))  # type: ignore[arg-type]
             except TransportError as e:
                 reasons.append(f"{url}: {describe(e)}")
                 if isinstance(e, ConnectFailed):
@@ -336,7 +338,9 @@ class RemoteFfn:
         self.replicas, self.hidden, self.f16 = replicas, hidden, f16
         self.path = path if path is not None else DirectPath(replicas.client, targets, num_layers, enabled=False)
         self.hedger = hedger
-        replicas.on_success, replicas.on_failure = self.path.succeeded, self.path.failed
+        self.times = hedger.times if hedger is not None else HopTimes()  # the stall bound, hedged or not
+        self._rows = 1  # the rows of the hop in flight (its size: bounds are learned per size)
+        replicas.on_success, replicas.on_failure = self._succeeded, self.path.failed
         self._urls = {layer: [t.url for t in targets if t.serves(layer)] for layer in range(num_layers)}
         self.headers = {"content-type": ffn_wire.CONTENT_TYPE,
                         "accept": ffn_wire.CONTENT_TYPE_F16 if f16 else ffn_wire.CONTENT_TYPE}
@@ -363,30 +367,48 @@ class RemoteFfn:
 
         body = ffn_wire.encode_request(layer, x)
         self.path.hops = self.replicas.hops
+        rows = x2.shape[0]
         direct, fallback = self.path.urls(layer)
         out = None
         if self.hedger is not None and len(direct) >= 2:
-            out = self._hedged(layer, x2.shape[0], body, direct, decode)
+            out = self._hedged(layer, rows, body, direct, decode)
+            if out is None:  # failed or stalled: those are cooling down now, the rest is tried
+                direct, fallback = self.path.urls(layer)
         if out is None:
+            self._rows = rows
             out = self.replicas.request(direct + [u for u in fallback if u not in direct], "POST", "/v1/walk-ffn",
                                         content=body, headers=self.headers, about=f" (layer {layer})", decode=decode,
-                                        hop=("ffn", layer))
+                                        hop=("ffn", layer), waiter=self._stall_waiter)
         self.seconds += time.perf_counter() - t0
         self.calls += 1
         return out
+
+    def _stall_waiter(self, url: str) -> StallWaiter | None:
+        """A request straight to a shard gives up at the stall bound (a frozen replica), and the next
+        replica or a router takes it; a router has its own failover, and waits as long as it must."""
+        bound = self.times.stall_bound(self._rows) if self.path.is_direct(url) else None
+        return None if bound is None else StallWaiter(bound, lambda s: self.path.late(url, s))
+
+    def _succeeded(self, url: str, seconds: float) -> None:
+        self.path.succeeded(url, seconds)
+        if self.path.is_direct(url):  # what a shard takes (routers add their hop): the learned bounds
+            self.times.observe(self._rows, seconds)
 
     def _hedged(self, layer: int, rows: int, body: bytes, urls: list[str],
                 decode: Callable[[Reply], np.ndarray]) -> np.ndarray | None:
         hedger = self.hedger
         assert hedger is not None
 
-        def send(url: str) -> tuple[np.ndarray, float, float | None]:
+        def send(url: str, waiter) -> tuple[np.ndarray, float, float | None]:
             t0 = time.perf_counter()
             try:
-                r = hedger.client().request("POST", url + "/v1/walk-ffn", content=body, headers=self.headers)
+                r = hedger.client().request("POST", url + "/v1/walk-ffn", content=body, headers=self.headers,
+                                            waiter=waiter)
                 if not is_success(r.status_code):
                     raise RemoteError(f"HTTP {r.status_code}")
                 value = decode(r)
+            except Superseded:
+                raise  # the other request answered: no failure of this replica
             except (TransportError, WireError, RemoteError):
                 self.path.failed(url)
                 raise
@@ -397,9 +419,9 @@ class RemoteFfn:
         t0 = time.perf_counter()
         got = hedger.run(rows, urls[0], urls[1], send, on_late=self.path.late)
         if got is None:
-            return None  # every request sent failed: the usual failover (routers included) takes over
+            return None  # every request sent failed, or the primary stalled: the usual failover takes over
         url, (value, _, server), hedged = got
-        if self.replicas.hops is not None:  # the hop as this thread waited for it (hand-offs included)
+        if self.replicas.hops is not None:  # the hop as this thread waited for it
             self.replicas.hops.add(Hop("ffn", layer, url, time.perf_counter() - t0, server, hedged))
         return value
 

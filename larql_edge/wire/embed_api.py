@@ -211,10 +211,12 @@ class EmbedApi:
             "summary": "Text to token ids",
             "operationId": "encode",
             "parameters": [
-                _q("text", "The text (may be empty)", self.text(), required=True),
+                _q("text", "The text (may be empty). The URL is read up to 16 KB (the server's request head "
+                   "limit); a longer text goes in the POST form's body", self.text(), required=True),
                 _q("add_special_tokens", "Add the model's BOS etc. (default false)", query_flag),
             ],
-            "responses": {"200": ok("Token ids", ref("EncodeResponse")), **ERRORS},
+            "responses": {"200": ok("Token ids", ref("EncodeResponse")), **ERRORS,
+                          "414": err("The URL is over 16 KB: send the text with POST /v1/token/encode")},
         }
         enc_post = {
             "summary": "Text (or a batch of texts) to token ids",
