@@ -268,6 +268,10 @@ def test_a_banned_token_is_never_drawn_and_a_bias_decides_greedy():
     hot = Params(max_tokens=1, temperature=2.0, logit_bias={4: -100})
     rng = np.random.default_rng(1)
     assert 4 not in {sample(ids, lps, hot, rng) for _ in range(500)}
+    # the smallest valid repetition_penalty (schemathesis sent 5e-324): a seen token wins, no overflow to NaN
+    for t in (0.0, 1e-3, 2.0):
+        tiny = Params(max_tokens=1, temperature=t, repetition_penalty=5e-324)
+        assert sample(ids, lps, tiny, rng, [9], [], lse=5.0) == 9
 
 
 def test_the_controls_through_the_grid_equal_a_whole_row_reference(tiny_models, grid, monkeypatch):

@@ -151,6 +151,7 @@ class Seq:
             pass
 
 
+SCORE_CAP = 1e300  # the largest adjusted score (see `adjust`)
 BAN = -100.0  # a logit_bias this low removes the token (OpenAI: "should result in a ban")
 
 
@@ -175,7 +176,10 @@ def adjust(ids: np.ndarray, logits: np.ndarray, p: Params, prompt: Sequence[int]
     if p.repetition_penalty != 1.0:
         seen = np.isin(ids, np.fromiter((*prompt, *generated), dtype=np.int64, count=len(prompt) + len(generated)))
         r = p.repetition_penalty
-        z = np.where(seen, np.where(z > 0, z / r, z * r), z)
+        # a tiny penalty (5e-324 is valid) would divide to +inf and a draw's z - max to NaN: cap the
+        # scores where temperature (>= 1e-3) cannot overflow them either
+        with np.errstate(over="ignore"):
+            z = np.where(seen, np.where(z > 0, np.minimum(z / r, SCORE_CAP), z * r), z)
     if (p.presence_penalty or p.frequency_penalty) and generated:
         uniq, counts = np.unique(np.asarray(generated, dtype=np.int64), return_counts=True)
         pos = np.minimum(np.searchsorted(uniq, ids), uniq.size - 1)
