@@ -64,7 +64,8 @@ def config(url: str, max_examples: int, seed: int, request_timeout: float = 10.0
     # As `st run` does with its options: an override of every project's (and phase's) settings.
     override = cfg.projects.override
     override.update(base_url=url, request_timeout=request_timeout)
-    override.checks.update(included_check_names=["all"])
+    # "all" includes max_response_time, 10 s unless told: a caller's measured request timeout is its bound too
+    override.checks.update(included_check_names=["all"], max_response_time=request_timeout)
     override.generation.update(max_examples=max_examples, database="none", no_shrink=True)
     return cfg
 
