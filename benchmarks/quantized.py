@@ -1,6 +1,7 @@
-"""Quantized compute (issue #13), one run: today's float32 path against the compact kernels.
+"""Quantized compute (issues #13, #17), one run: today's float32 path against the compact kernels.
 
     python benchmarks/quantized.py [--model gemma3-270m] [--tokens 32] [--rounds 3] [--quick]
+                                   [--sections embed,local,grid,llama] [--repeats 2] [--layerwise]
                                    [--out benchmarks/results/quantized.txt]
 
 Configurations, each measured in the same run (the machine is shared: only the ratios travel):
@@ -12,7 +13,8 @@ Measured: the embed server's RSS after start and after 10,000 row lookups agains
 its slice; ``/v1/logits`` p50 (one residual, raw f32 reply); local decode tokens/s; grid decode
 tokens/s (router, embed server, 2 FFN shards, attention-only client, all local processes); aggregate
 FFN-shard throughput at 1 and 16 rows (two concurrent clients); and, when ``llama_cpp`` imports,
-llama.cpp's decode on the same GGUF at 1 and 2 threads. Every process pins BLAS to one thread.
+the gguf vindex's local decode against llama.cpp's on the same GGUF at equal threads (1 and 2; ours
+set by LARQL_KERNEL_THREADS), alternating processes. Every process pins BLAS to one thread.
 """
 
 from __future__ import annotations
@@ -63,13 +65,18 @@ def folder_mb(path: Path) -> float:
 PROMPT_IDS: list[int] = []
 
 
-def worker(vindex: Path, backend: str, tokens: int, rounds: int, ffn: str | None = None, embed: str | None = None) -> dict:
+def worker(vindex: Path, backend: str, tokens: int, rounds: int, ffn: str | None = None, embed: str | None = None,
+           threads: int | None = None, graph: str | None = None) -> dict:
     argv = [sys.executable, str(ROOT / "benchmarks" / "_decode_worker.py"), str(vindex), "--tokens", str(tokens),
             "--rounds", str(rounds), "--prompt-ids", ",".join(map(str, PROMPT_IDS))]
     if ffn:
         argv += ["--ffn", ffn, "--embed", embed or ffn]
-    r = subprocess.run(argv, capture_output=True, text=True, timeout=3600, cwd=ROOT,
-                       env={**os.environ, "LARQL_BACKEND": backend})
+    env = {**os.environ, "LARQL_BACKEND": backend}
+    if threads:
+        env["LARQL_KERNEL_THREADS"] = str(threads)
+    if graph:
+        env["LARQL_GRAPH"] = graph
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=3600, cwd=ROOT, env=env)
     if r.returncode:
         raise RuntimeError(f"decode worker failed ({backend}, {vindex.name}):\n{r.stderr[-3000:]}")
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -103,7 +110,9 @@ def shard_throughput(client_url: str, hidden: int, layers: int, rows: int, secon
     return sum(done) / (time.monotonic() - t0)
 
 
-def llama_cpp_rates(gguf_path: Path, tokens: int, prompt: list[int]) -> dict[int, tuple[float, list[int]]] | None:
+def llama_cpp_rate(gguf_path: Path, tokens: int, prompt: list[int], threads: int, rounds: int) -> tuple[float, list[int]] | None:
+    """llama.cpp's greedy decode on the GGUF (llama-cpp-python, its own process): best tokens/s of
+    ``rounds`` (prefill excluded, as `_decode_worker`) and the ids; None when llama_cpp is missing."""
     try:
         import llama_cpp  # noqa: F401
     except ImportError:
@@ -113,24 +122,56 @@ def llama_cpp_rates(gguf_path: Path, tokens: int, prompt: list[int]) -> dict[int
         "import numpy as np\n"
         "from llama_cpp import Llama\n"
         f"ids = {prompt!r}\n"
-        "out = {}\n"
-        "for th in (1, 2):\n"
-        f"    m = Llama(model_path={str(gguf_path)!r}, n_threads=th, n_ctx=256, verbose=False, logits_all=False)\n"
-        "    best, toks = 0.0, []\n"
-        "    for _ in range(3):\n"
-        "        m.reset(); m.eval(ids); toks = []\n"
-        "        t0 = time.perf_counter()\n"
-        f"        for _ in range({tokens}):\n"
-        "            t = int(np.argmax(m.scores[m.n_tokens - 1]))\n"
-        "            toks.append(t); m.eval([t])\n"
-        f"        best = max(best, {tokens} / (time.perf_counter() - t0))\n"
-        "    out[th] = [best, toks]\n"
-        "print(json.dumps(out))\n"
+        f"m = Llama(model_path={str(gguf_path)!r}, n_threads={threads}, n_threads_batch={threads}, n_ctx=256, "
+        "verbose=False, logits_all=False)\n"
+        "best, toks = 0.0, []\n"
+        f"for _ in range({rounds}):\n"
+        "    m.reset(); m.eval(ids); toks = []\n"
+        "    t0 = time.perf_counter()\n"
+        f"    for _ in range({tokens}):\n"
+        "        t = int(np.argmax(m.scores[m.n_tokens - 1]))\n"
+        "        toks.append(t); m.eval([t])\n"
+        f"    best = max(best, {tokens} / (time.perf_counter() - t0))\n"
+        "print(json.dumps([best, toks]))\n"
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=1800)
     if r.returncode:
-        return {0: (float("nan"), [r.stderr[-500:]])}
-    return {int(k): (v[0], v[1]) for k, v in json.loads(r.stdout.strip().splitlines()[-1]).items()}
+        raise RuntimeError(f"llama.cpp run failed: {r.stderr[-1000:]}")
+    rate, toks = json.loads(r.stdout.strip().splitlines()[-1])
+    return rate, toks
+
+
+def llama_cpp_section(say, args, full: dict) -> None:
+    """Local decode of the gguf vindex against llama.cpp on the same GGUF, at equal threads (1 and 2),
+    alternating the two so that the machine's load hits both alike."""
+    from larql_edge.tools.slicer.extract._source import _package_gguf
+
+    gguf = _package_gguf(args.model)
+    say(f"Local decode of the gguf vindex vs llama.cpp on the same GGUF ({gguf.name}), equal threads "
+        f"({args.tokens} tokens after a {len(PROMPT_IDS)}-token prompt; best of {args.rounds} rounds per process, "
+        f"{args.repeats} processes each, alternating):")
+    for th in (1, 2):
+        ours, theirs, graph_off = [], [], []
+        for _ in range(args.repeats):
+            ours.append(worker(full["gguf"], "compact", args.tokens, args.rounds, threads=th))
+            lc = llama_cpp_rate(gguf, args.tokens, PROMPT_IDS, th, args.rounds)
+            if lc is None:
+                say("  llama.cpp: llama_cpp (llama-cpp-python) is not installed; not measured")
+                return
+            theirs.append(lc)
+            if args.layerwise:
+                graph_off.append(worker(full["gguf"], "compact", args.tokens, args.rounds, threads=th, graph="off"))
+        best = max(ours, key=lambda r: r["rate"])
+        lrate, ltoks = max(theirs, key=lambda x: x[0])
+        ours_s = ", ".join("%.1f" % x["rate"] for x in ours)
+        theirs_s = ", ".join("%.1f" % x[0] for x in theirs)
+        per = f"per process: ours {ours_s}; llama.cpp {theirs_s}"
+        say(f"  {th} thread(s): larql-edge {best['rate']:6.1f} tok/s   llama.cpp {lrate:6.1f} tok/s   "
+            f"ratio {best['rate'] / lrate:.2f}x   same {args.tokens} tokens: {best['ids'] == ltoks}   ({per})")
+        if graph_off:
+            off = max(r["rate"] for r in graph_off)
+            say(f"             larql-edge product by product (LARQL_GRAPH=off) {off:6.1f} tok/s   ratio {off / lrate:.2f}x")
+    say("")
 
 
 def main() -> int:
@@ -140,6 +181,11 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--lookups", type=int, default=10_000)
     ap.add_argument("--quick", action="store_true", help="fewer tokens, rounds and requests (a few minutes)")
+    ap.add_argument("--sections", default="embed,local,grid,llama",
+                    help="comma-separated parts to run: embed (RSS, /v1/logits), local (decode per config), "
+                         "grid (grid decode, shard throughput), llama (gguf vindex vs llama.cpp at 1 and 2 threads)")
+    ap.add_argument("--repeats", type=int, default=2, help="processes per side in the llama.cpp comparison")
+    ap.add_argument("--layerwise", action="store_true", help="also the product-by-product path in the llama.cpp comparison")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "quantized.txt"))
     args = ap.parse_args()
     if args.quick:
@@ -150,9 +196,14 @@ def main() -> int:
         print(s, flush=True)
         lines.append(s)
 
-    full = {k: cached_vindex(args.model, dtype="f16", quant=q, log=lambda m: None) for k, (q, _) in CONFIGS.items()}
-    slices = {k: {role: cached_slice(v, ROLE_PRESETS[role]) for role in ("embed", "ffn", "client")} for k, v in full.items()}
-    vx = Vindex.open(full["f32"])
+    sections = {x.strip() for x in args.sections.split(",") if x.strip()}
+    if not sections <= {"embed", "local", "grid", "llama"}:
+        ap.error(f"--sections: unknown part(s) {', '.join(sorted(sections - {'embed', 'local', 'grid', 'llama'}))}")
+    wanted = CONFIGS if sections - {"llama"} else {"gguf": CONFIGS["gguf"]}
+    full = {k: cached_vindex(args.model, dtype="f16", quant=q, log=lambda m: None) for k, (q, _) in wanted.items()}
+    slices = {k: {role: cached_slice(v, ROLE_PRESETS[role]) for role in ("embed", "ffn", "client")} for k, v in full.items()} \
+        if sections & {"embed", "grid"} else {}
+    vx = Vindex.open(full["gguf"])
     from tokenizers import Tokenizer
 
     PROMPT_IDS[:] = Tokenizer.from_file(str(vx.tokenizer_path)).encode("The capital of France is").ids
@@ -166,110 +217,104 @@ def main() -> int:
     sup = Supervisor(Path(tempfile.mkdtemp(prefix="larql-qbench-")), env)
     common = ["--host", HOST, "--blas-threads", "1"]
     try:
-        # -- embed servers: memory and /v1/logits ------------------------------------------------
-        ports = pick_ports(HOST, [19682, 19683, 19684])
-        embeds = {}
-        for (k, (_, backend)), port in zip(CONFIGS.items(), ports, strict=True):
-            embeds[k] = sup.start(f"embed-{k}", ["larql-embed", str(slices[k]["embed"]), "--port", str(port), *common],
-                                  url(port), env={"LARQL_BACKEND": backend})
-        sup.wait_ready(list(embeds.values()), time.monotonic() + 900)
-        rss_start = {k: tree_rss(r.popen.pid) / 2**20 for k, r in embeds.items()}
-        c = HttpClient()
-        x = np.random.default_rng(0).standard_normal(hidden).astype(np.float32)
-        body = ew.encode_logits_request(x)
-        hdr = {"content-type": BIN, "accept": BIN}
-        n = 10 if args.quick else 40
-        logits_p50: dict[str, list[float]] = {k: [] for k in CONFIGS}
-        for _ in range(3):  # interleaved, so noise hits every configuration alike
-            for k, r in embeds.items():
-                logits_p50[k].append(median_ms(lambda r=r: c.request("POST", r.url + "/v1/logits", content=body, headers=hdr), n, warmup=3))
-        rng = np.random.default_rng(1)
-        ids = rng.integers(0, vx.vocab_size, args.lookups)
-        for r in embeds.values():
-            for i in ids:
-                resp = c.request("GET", f"{r.url}/v1/embed/{int(i)}")
-                if resp.status_code != 200:
-                    raise RuntimeError(f"embed lookup {resp.status_code}")
-        rss_after = {k: tree_rss(r.popen.pid) / 2**20 for k, r in embeds.items()}
-        stats = {k: json.loads(c.request("GET", r.url + "/v1/stats").content) for k, r in embeds.items()}
-        c.close()
-        for r in embeds.values():
-            r.stop()
-        base = min(logits_p50["f32"])
-        say("Embed server (its `embed` slice; RSS of the server and its worker, MB):")
-        say("  config  slice on disk  lm_head as                 RSS after start  after %d lookups  /v1/logits p50" % args.lookups)
-        for k in CONFIGS:
-            h = stats[k]["lm_head"]
-            p = min(logits_p50[k])
-            say(f"  {k:<6}  {folder_mb(slices[k]['embed']):9.0f} MB   {h['format'] + ', ' + h['storage']:<26} "
-                f"{rss_start[k]:9.0f}        {rss_after[k]:9.0f}        {p:7.1f} ms  {p / base:.2f}x")
-        say("")
-
-        # -- local decode ------------------------------------------------------------------------
         local: dict[str, list[dict]] = {k: [] for k in CONFIGS}
-        for _ in range(max(1, args.rounds // 2 + 1) if not args.quick else 1):
-            for k, (_, backend) in CONFIGS.items():
-                local[k].append(worker(full[k], backend, args.tokens, args.rounds))
-        base = max(r["rate"] for r in local["f32"])
-        say(f"Local decode ({args.tokens} tokens after a {len(PROMPT_IDS)}-token prompt; best of {args.rounds} rounds per process):")
-        for k in CONFIGS:
-            best = max(local[k], key=lambda r: r["rate"])
-            say(f"  {k:<6}  {best['rate']:6.1f} tok/s  {best['rate'] / base:.2f}x   RSS {best['rss_mb']:.0f} MB   "
-                f"first ids {best['ids'][:6]}")
-        say("")
-
-        # -- grid decode and shard throughput ---------------------------------------------------
-        ranges = split_even(n_layers, 2)
-        grid_rates, through = {}, {}
-        for k, (_, backend) in CONFIGS.items():
-            be = {"LARQL_BACKEND": backend}
-            rp, ep, s0, s1, sa = pick_ports(HOST, [19690, 19691, 19692, 19693, 19694])
-            router = sup.start(f"router-{k}", ["larql-router", "--port", str(rp), *common], url(rp), env=be)
-            roles = [router, sup.start(f"gembed-{k}", ["larql-embed", str(slices[k]["embed"]), "--port", str(ep), *common,
-                                                       "--join", url(rp)], url(ep), env=be)]
-            for rng_, p in zip(ranges, (s0, s1), strict=True):
-                roles.append(sup.start(f"ffn-{k}-{rng_}", ["larql-ffn", str(slices[k]["ffn"]), "--layers", str(rng_),
-                                                           "--port", str(p), *common, "--join", url(rp)], url(p), env=be))
-            whole = sup.start(f"ffn-all-{k}", ["larql-ffn", str(slices[k]["ffn"]), "--port", str(sa), *common], url(sa), env=be)
-            sup.wait_ready([*roles, whole], time.monotonic() + 900)
-            deadline = time.monotonic() + 120
-            hc = HttpClient()
-            while not json.loads(hc.request("GET", router.url + "/v1/grid").content)["complete"]:
-                if time.monotonic() > deadline:
-                    raise RuntimeError("grid incomplete")
-                time.sleep(0.2)
-            hc.close()
-            grid_rates[k] = worker(slices[k]["client"], backend, args.tokens, args.rounds, ffn=router.url)
-            secs = 4.0 if args.quick else 10.0
-            through[k] = {rows: shard_throughput(whole.url, hidden, n_layers, rows, secs) for rows in (1, 16)}
-            for r in [whole, *reversed(roles)]:
+        if "embed" in sections:
+            # -- embed servers: memory and /v1/logits ------------------------------------------------
+            ports = pick_ports(HOST, [19682, 19683, 19684])
+            embeds = {}
+            for (k, (_, backend)), port in zip(CONFIGS.items(), ports, strict=True):
+                embeds[k] = sup.start(f"embed-{k}", ["larql-embed", str(slices[k]["embed"]), "--port", str(port), *common],
+                                      url(port), env={"LARQL_BACKEND": backend})
+            sup.wait_ready(list(embeds.values()), time.monotonic() + 900)
+            rss_start = {k: tree_rss(r.popen.pid) / 2**20 for k, r in embeds.items()}
+            c = HttpClient()
+            x = np.random.default_rng(0).standard_normal(hidden).astype(np.float32)
+            body = ew.encode_logits_request(x)
+            hdr = {"content-type": BIN, "accept": BIN}
+            n = 10 if args.quick else 40
+            logits_p50: dict[str, list[float]] = {k: [] for k in CONFIGS}
+            for _ in range(3):  # interleaved, so noise hits every configuration alike
+                for k, r in embeds.items():
+                    logits_p50[k].append(median_ms(lambda r=r: c.request("POST", r.url + "/v1/logits", content=body, headers=hdr), n, warmup=3))
+            rng = np.random.default_rng(1)
+            ids = rng.integers(0, vx.vocab_size, args.lookups)
+            for r in embeds.values():
+                for i in ids:
+                    resp = c.request("GET", f"{r.url}/v1/embed/{int(i)}")
+                    if resp.status_code != 200:
+                        raise RuntimeError(f"embed lookup {resp.status_code}")
+            rss_after = {k: tree_rss(r.popen.pid) / 2**20 for k, r in embeds.items()}
+            stats = {k: json.loads(c.request("GET", r.url + "/v1/stats").content) for k, r in embeds.items()}
+            c.close()
+            for r in embeds.values():
                 r.stop()
-        base = grid_rates["f32"]["rate"]
-        say("Grid decode (router + embed server + 2 FFN shards + attention-only client, loopback):")
-        for k in CONFIGS:
-            r = grid_rates[k]
-            say(f"  {k:<6}  {r['rate']:6.1f} tok/s  {r['rate'] / base:.2f}x   same tokens as local: "
-                f"{r['ids'] == max(local[k], key=lambda x: x['rate'])['ids']}")
-        say("")
-        say("FFN shard throughput (all layers in one shard, 2 concurrent clients, rows per second):")
-        for k in CONFIGS:
-            t = through[k]
-            say(f"  {k:<6}  1 row {t[1]:8.0f}  ({t[1] / through['f32'][1]:.2f}x)    16 rows {t[16]:8.0f}  "
-                f"({t[16] / through['f32'][16]:.2f}x)")
-        say("")
+            base = min(logits_p50["f32"])
+            say("Embed server (its `embed` slice; RSS of the server and its worker, MB):")
+            say("  config  slice on disk  lm_head as                 RSS after start  after %d lookups  /v1/logits p50" % args.lookups)
+            for k in CONFIGS:
+                h = stats[k]["lm_head"]
+                p = min(logits_p50[k])
+                say(f"  {k:<6}  {folder_mb(slices[k]['embed']):9.0f} MB   {h['format'] + ', ' + h['storage']:<26} "
+                    f"{rss_start[k]:9.0f}        {rss_after[k]:9.0f}        {p:7.1f} ms  {p / base:.2f}x")
+            say("")
 
-        # -- llama.cpp on the same GGUF ------------------------------------------------------------
-        from larql_edge.tools.slicer.extract._source import _package_gguf
+        if "local" in sections:
+            # -- local decode ------------------------------------------------------------------------
+            for _ in range(max(1, args.rounds // 2 + 1) if not args.quick else 1):
+                for k, (_, backend) in CONFIGS.items():
+                    local[k].append(worker(full[k], backend, args.tokens, args.rounds))
+            base = max(r["rate"] for r in local["f32"])
+            say(f"Local decode ({args.tokens} tokens after a {len(PROMPT_IDS)}-token prompt; best of {args.rounds} rounds per process):")
+            for k in CONFIGS:
+                best = max(local[k], key=lambda r: r["rate"])
+                say(f"  {k:<6}  {best['rate']:6.1f} tok/s  {best['rate'] / base:.2f}x   RSS {best['rss_mb']:.0f} MB   "
+                    f"first ids {best['ids'][:6]}")
+            say("")
 
-        lc = llama_cpp_rates(_package_gguf(args.model), args.tokens, PROMPT_IDS)
-        if lc is None:
-            say("llama.cpp: llama_cpp (llama-cpp-python) is not installed; not measured")
-        else:
-            best_ours = max(r["rate"] for r in local["gguf"])
-            for th, (rate, toks) in sorted(lc.items()):
-                say(f"llama.cpp, {th} thread(s): {rate:6.1f} tok/s; larql-edge gguf local is {best_ours / rate:.2f}x of it; "
-                    f"same tokens: {toks == max(local['gguf'], key=lambda x: x['rate'])['ids']}")
-        say("")
+        if "grid" in sections:
+            # -- grid decode and shard throughput ---------------------------------------------------
+            ranges = split_even(n_layers, 2)
+            grid_rates, through = {}, {}
+            for k, (_, backend) in CONFIGS.items():
+                be = {"LARQL_BACKEND": backend}
+                rp, ep, s0, s1, sa = pick_ports(HOST, [19690, 19691, 19692, 19693, 19694])
+                router = sup.start(f"router-{k}", ["larql-router", "--port", str(rp), *common], url(rp), env=be)
+                roles = [router, sup.start(f"gembed-{k}", ["larql-embed", str(slices[k]["embed"]), "--port", str(ep), *common,
+                                                           "--join", url(rp)], url(ep), env=be)]
+                for rng_, p in zip(ranges, (s0, s1), strict=True):
+                    roles.append(sup.start(f"ffn-{k}-{rng_}", ["larql-ffn", str(slices[k]["ffn"]), "--layers", str(rng_),
+                                                               "--port", str(p), *common, "--join", url(rp)], url(p), env=be))
+                whole = sup.start(f"ffn-all-{k}", ["larql-ffn", str(slices[k]["ffn"]), "--port", str(sa), *common], url(sa), env=be)
+                sup.wait_ready([*roles, whole], time.monotonic() + 900)
+                deadline = time.monotonic() + 120
+                hc = HttpClient()
+                while not json.loads(hc.request("GET", router.url + "/v1/grid").content)["complete"]:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError("grid incomplete")
+                    time.sleep(0.2)
+                hc.close()
+                grid_rates[k] = worker(slices[k]["client"], backend, args.tokens, args.rounds, ffn=router.url)
+                secs = 4.0 if args.quick else 10.0
+                through[k] = {rows: shard_throughput(whole.url, hidden, n_layers, rows, secs) for rows in (1, 16)}
+                for r in [whole, *reversed(roles)]:
+                    r.stop()
+            base = grid_rates["f32"]["rate"]
+            say("Grid decode (router + embed server + 2 FFN shards + attention-only client, loopback):")
+            for k in CONFIGS:
+                r = grid_rates[k]
+                say(f"  {k:<6}  {r['rate']:6.1f} tok/s  {r['rate'] / base:.2f}x   same tokens as local: "
+                    f"{r['ids'] == max(local[k], key=lambda x: x['rate'])['ids'] if local[k] else 'not measured'}")
+            say("")
+            say("FFN shard throughput (all layers in one shard, 2 concurrent clients, rows per second):")
+            for k in CONFIGS:
+                t = through[k]
+                say(f"  {k:<6}  1 row {t[1]:8.0f}  ({t[1] / through['f32'][1]:.2f}x)    16 rows {t[16]:8.0f}  "
+                    f"({t[16] / through['f32'][16]:.2f}x)")
+            say("")
+
+        # -- llama.cpp on the same GGUF, at equal threads -------------------------------------------
+        if "llama" in sections:
+            llama_cpp_section(say, args, full)
         say(f"load average at end {os.getloadavg()[0]:.1f}")
     finally:
         sup.stop_all()

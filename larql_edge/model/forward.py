@@ -211,16 +211,33 @@ class Transformer:
         return h
 
     def _graph_step(self, ids: Sequence[int], cache: GraphCache, head: bool) -> np.ndarray:
-        t = time.perf_counter()
-        rows = np.asarray(self.embedder.embed(ids), dtype=np.float32)
-        out = self.engine().step(rows, cache, head)
-        self.local_s += time.perf_counter() - t  # the whole step ran here
-        return out
+        eng = self.engine()
+        h = np.asarray(self.embedder.embed(ids), dtype=np.float32)
+        if eng.has_ffn:
+            t = time.perf_counter()
+            out = eng.step(h, cache, head)
+            self.local_s += time.perf_counter() - t  # the whole step ran here
+            return out
+        # the FFN is remote: each layer's attention half is a graph, the FFN a call between them
+        s = self.spec
+        eps, off = s.rms_norm_eps, s.family.norm_offset
+        st = eng.begin(len(ids), cache)
+        for layer in range(s.num_layers):
+            t = time.perf_counter()
+            h, x = eng.attention(layer, h, cache, st)
+            self.local_s += time.perf_counter() - t
+            f = self.ffn_provider.ffn(layer, x)
+            w = self.attn[layer]
+            if w.post_ffn_norm is not None:
+                f = ops.rms_norm(f, w.post_ffn_norm, eps, off)
+            h = h + f
+        cache.length = st.end
+        return h
 
     def next_logits(self, ids: Sequence[int], cache: KVCache | None = None) -> np.ndarray:
         """Logits ``[vocab]`` for the token after ``ids`` (appended to ``cache`` when given)."""
         eng = self.engine()
-        if eng is not None and eng.lm_head is not None:
+        if eng is not None and eng.lm_head is not None and eng.has_ffn:
             cache = cache if cache is not None else self.new_cache()
             if isinstance(cache, GraphCache):
                 return self._graph_step(ids, cache, head=True)
@@ -251,18 +268,22 @@ class Transformer:
 
 
 def _build_engine(m: Transformer):
-    """A `GraphEngine` over the model's own weights when every product can run in the graph: compact
-    backend, local FFN weights in ggml's types; the head joins the graph when it is local too."""
+    """A `GraphEngine` over the model's own weights when every product can run in a graph (compact
+    backend, weights in ggml's types): the whole step when the FFN is local (the head joins when it is
+    local too), else each layer's attention half."""
     mode = {True: "on", False: "off"}.get(m.graph) if m.graph is not None else graph_mode()
-    if mode == "off" or getattr(m.backend, "name", None) != "compact" or not isinstance(m.ffn_provider, LocalFfn):
+    if mode == "off" or getattr(m.backend, "name", None) != "compact":
         return None
     from larql_edge.model.graph import GraphEngine, graphable
 
     s = m.spec
-    ffn = [m.ffn_provider.layers.get(i) for i in range(s.num_layers)]
-    if any(f is None for f in ffn):
-        return None
-    mats = [x for a, f in zip(m.attn, ffn, strict=True) for x in (a.q, a.k, a.v, a.o, f.gate, f.up, f.down)]
+    ffn = None  # a remote FFN (the grid's client): one attention-only graph per layer
+    if isinstance(m.ffn_provider, LocalFfn):
+        ffn = [m.ffn_provider.layers.get(i) for i in range(s.num_layers)]
+        if any(f is None for f in ffn):
+            ffn = None
+    mats = [x for a in m.attn for x in (a.q, a.k, a.v, a.o)]
+    mats += [x for f in ffn or [] for x in (f.gate, f.up, f.down)]
     if not all(graphable(x) for x in mats):
         return None
     if mode == "auto" and all(x.fmt == "f32" for x in mats):

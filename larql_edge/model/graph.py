@@ -113,15 +113,19 @@ def _rounded(n: int, cap: int) -> int:
 
 
 class _Step:
-    """One built graph: ``seq`` rows through every layer (and the head when ``head``)."""
+    """One built graph: ``seq`` rows through every layer (and the head when ``head``); or, with
+    ``layer`` set, that one layer's attention half only (the split grid's client: the FFN is remote),
+    whose outputs are the residual after attention (``out``) and the FFN's normed input (``out_x``)."""
 
-    def __init__(self, eng: "GraphEngine", seq: int, cap: int, lens: dict[int | None, int], head: bool):
+    def __init__(self, eng: "GraphEngine", seq: int, cap: int, lens: dict[int | None, int], head: bool,
+                 layer: int | None = None):
         L = _ggml.lib()
         b = L.base
         s = eng.spec
         self.seq, self.cap, self.lens, self.head = seq, cap, lens, head
         hd, nq, nkv, hid = s.head_dim, s.num_q_heads, s.num_kv_heads, s.hidden_size
-        n_nodes = 64 * s.num_layers + 64
+        self.layer_ids = list(range(s.num_layers)) if layer is None else [layer]
+        n_nodes = 64 * len(self.layer_ids) + 64
         mem = n_nodes * 3 * int(b.ggml_tensor_overhead()) + int(b.ggml_graph_overhead_custom(n_nodes * 2, False)) + 4096
         self._mem = np.empty(mem, np.uint8)
         ctx = self._ctx = b.ggml_init(_ggml._InitParams(mem, self._mem.ctypes.data, True))
@@ -146,7 +150,7 @@ class _Step:
         self.k_write, self.v_write, self.k_read, self.v_read = [], [], [], []
         gf = self._graph = b.ggml_new_graph_custom(ctx, n_nodes * 2, False)
         cur = inp
-        for li in range(s.num_layers):
+        for li in self.layer_ids:
             lw = eng.layers[li]
             window = s.sliding_window if s.is_sliding(li) else None
             n_att = lens[window]
@@ -192,6 +196,10 @@ class _Step:
                 a = eng.norm(ctx, a, lw.post_attn)
             cur = b.ggml_add(ctx, cur, a)
             x = eng.norm(ctx, cur, lw.pre_ffn)
+            if layer is not None:  # attention only: the FFN input leaves the graph too
+                self.out_x = np.zeros((seq, hid), np.float32)
+                b.ggml_build_forward_expand(gf, b.ggml_cpy(ctx, x, leaf(self.out_x, b.ggml_new_tensor_2d(ctx, _F32, hid, seq))))
+                break
             g, u = eng.mm(ctx, lw.gate, x), eng.mm(ctx, lw.up, x)
             f = eng.mm(ctx, lw.down, eng.glu(ctx, g, u))
             if lw.post_ffn is not None:
@@ -246,9 +254,9 @@ class _Layer:
     k: CompactMatrix
     v: CompactMatrix
     o: CompactMatrix
-    gate: CompactMatrix
-    up: CompactMatrix
-    down: CompactMatrix
+    gate: CompactMatrix | None  # None: the FFN is remote (attention-only graphs)
+    up: CompactMatrix | None
+    down: CompactMatrix | None
     q_norm: np.ndarray | None
     k_norm: np.ndarray | None
     pre_attn: np.ndarray
@@ -265,7 +273,7 @@ class GraphEngine:
     """Runs a local model's steps as ggml graphs. Built from the Transformer's own weights (no copy:
     the weight tensors point at the CompactMatrix bytes, the vindex's memory map)."""
 
-    def __init__(self, spec: ModelSpec, attn: list, ffn: list, head_matrix: CompactMatrix | None,
+    def __init__(self, spec: ModelSpec, attn: list, ffn: list | None, head_matrix: CompactMatrix | None,
                  final_norm: np.ndarray | None):
         self.spec = spec
         off = np.float32(spec.family.norm_offset)
@@ -274,15 +282,16 @@ class GraphEngine:
             return None if w is None else np.ascontiguousarray((w + off) if off else w, dtype=np.float32)
 
         self.layers = [
-            _Layer(a.q, a.k, a.v, a.o, f.gate, f.up, f.down, nw(a.q_norm), nw(a.k_norm), nw(a.pre_attn_norm),
-                   nw(a.post_attn_norm), nw(a.pre_ffn_norm), nw(a.post_ffn_norm))
-            for a, f in zip(attn, ffn, strict=True)
+            _Layer(a.q, a.k, a.v, a.o, f and f.gate, f and f.up, f and f.down, nw(a.q_norm), nw(a.k_norm),
+                   nw(a.pre_attn_norm), nw(a.post_attn_norm), nw(a.pre_ffn_norm), nw(a.post_ffn_norm))
+            for a, f in zip(attn, ffn or [None] * len(attn), strict=True)
         ]
+        self.has_ffn = ffn is not None
         self.lm_head = head_matrix
         self.final_norm = nw(final_norm)
         self.glu_name = {"gelu_tanh": "ggml_geglu_split", "silu": "ggml_swiglu_split"}[spec.family.activation]
         self._weights: dict[int, tuple] = {}  # id(matrix) -> (tensor, ctx memory) in a weights context
-        self._graphs: OrderedDict[tuple, _Step] = OrderedDict()
+        self._graphs: OrderedDict[tuple, _Step] = OrderedDict()  # LRU
         self._layer_kind = [spec.sliding_window if spec.is_sliding(i) else None for i in range(spec.num_layers)]
         self._kinds = sorted(set(self._layer_kind), key=lambda w: w or 0)
         self._lock = threading.Lock()
@@ -347,16 +356,16 @@ class GraphEngine:
         s = self.spec
         return GraphCache(s.num_layers, s.num_kv_heads, s.head_dim, slack=slack)
 
-    def _graph(self, seq: int, cap: int, lens: tuple, head: bool) -> _Step:
-        key = (seq, cap, lens, head)
-        g = self._graphs.get(key)
+    def _graph(self, seq: int, cap: int, lens: tuple, head: bool, layer: int | None = None) -> _Step:
+        key = (seq, cap, lens, head, layer)
+        graphs = self._graphs
+        g = graphs.get(key)
         if g is None:
-            g = _Step(self, seq, cap, dict(lens), head)
-            self._graphs[key] = g
-            while len(self._graphs) > _MAX_GRAPHS:
-                self._graphs.popitem(last=False)
+            g = graphs[key] = _Step(self, seq, cap, dict(lens), head, layer)
+            while len(graphs) > _MAX_GRAPHS * (1 if layer is None else len(self.layers)):
+                graphs.popitem(last=False)
         else:
-            self._graphs.move_to_end(key)
+            graphs.move_to_end(key)
         return g
 
     def step(self, rows: np.ndarray, cache: GraphCache, head: bool) -> np.ndarray:
@@ -369,40 +378,66 @@ class GraphEngine:
         if seq > _CHUNK:
             return np.concatenate([self.step(rows[i : i + _CHUNK], cache, False) for i in range(0, seq, _CHUNK)])
         with self._lock:
-            return self._step(rows, cache, head)
+            st = self.begin(seq, cache)
+            g = self._graph(seq, cache.capacity, st.lens, head)
+            self._bind(g, rows, cache, st)
+            g.run(*_pool.get())
+            cache.length = st.end
+            return g.out.copy()
 
-    def _step(self, rows: np.ndarray, cache: GraphCache, head: bool) -> np.ndarray:
-        seq, start = rows.shape[0], cache.length
+    def begin(self, seq: int, cache: GraphCache) -> "_StepState":
+        """What one step of ``seq`` rows needs: room in the cache, each window kind's first attended
+        position and length (a multiple of _BUCKET), positions and additive masks."""
+        start = cache.length
         end = start + seq
         cache.reserve(end)
         cap = cache.capacity
-        # each window kind's first attended cache position and length (a multiple of _BUCKET)
-        spans, lens = {}, []
+        spans, lens, masks = {}, [], {}
+        pos = np.arange(start, end, dtype=np.int32)
+        q_pos = pos[:, None]
         for w in self._kinds:
             lo = 0 if w is None else max(0, start - w + 1)
             n = _rounded(end - lo, cap)
-            spans[w] = (min(lo, cap - n), n)
+            a = spans[w] = min(lo, cap - n)
             lens.append((w, n))
-        g = self._graph(seq, cap, tuple(lens), head)
-        g.inp[:] = rows
-        g.pos[:] = np.arange(start, end, dtype=np.int32)
-        q_pos = g.pos[:, None]
-        for w, (a, n) in spans.items():
             k_pos = np.arange(a, a + n, dtype=np.int32)[None, :]
             ok = k_pos <= q_pos
             if w is not None:
                 ok &= (q_pos - k_pos) < w
-            m = g.masks[w]
-            m.fill(-np.inf)
-            m[ok] = 0.0
-        hd4 = self.spec.head_dim * 4
+            masks[w] = np.where(ok, np.float32(0), np.float32(-np.inf))
+        return _StepState(start, end, spans, tuple(lens), pos, masks)
+
+    def _bind(self, g: _Step, rows: np.ndarray, cache: GraphCache, st: "_StepState") -> None:
+        g.inp[:] = rows
+        g.pos[:] = st.pos
+        for w, m in st.masks.items():
+            g.masks[w][:] = m
+        hd4, start = self.spec.head_dim * 4, st.start
         kw, vw, kr, vr = g.k_write, g.v_write, g.k_read, g.v_read
-        for i, (w, (kb, vb)) in enumerate(zip(self._layer_kind, cache.addrs, strict=True)):
-            a = spans[w][0]
-            kw[i].data = kb + start * hd4
-            vw[i].data = vb + start * 4
-            kr[i].data = kb + a * hd4
-            vr[i].data = vb + a * 4
-        g.run(*_pool.get())
-        cache.length = end
-        return g.out.copy()
+        for j, i in enumerate(g.layer_ids):
+            kb, vb = cache.addrs[i]
+            a = st.spans[self._layer_kind[i]]
+            kw[j].data = kb + start * hd4
+            vw[j].data = vb + start * 4
+            kr[j].data = kb + a * hd4
+            vr[j].data = vb + a * 4
+
+    def attention(self, layer: int, h: np.ndarray, cache: GraphCache, st: "_StepState") -> tuple[np.ndarray, np.ndarray]:
+        """One layer's attention half as a graph (the FFN is elsewhere): the residual after attention
+        and the FFN's normed input, both ``[seq, hidden]``. ``st`` from `begin`; the caller sets
+        ``cache.length = st.end`` after the last layer."""
+        with self._lock:
+            g = self._graph(h.shape[0], cache.capacity, st.lens, False, layer)
+            self._bind(g, h, cache, st)
+            g.run(*_pool.get())
+            return g.out.copy(), g.out_x.copy()
+
+
+@dataclass
+class _StepState:
+    start: int
+    end: int
+    spans: dict
+    lens: tuple
+    pos: np.ndarray
+    masks: dict
