@@ -212,7 +212,9 @@ class Transformer:
 
     def _graph_step(self, ids: Sequence[int], cache: GraphCache, head: bool) -> np.ndarray:
         eng = self.engine()
-        h = np.asarray(self.embedder.embed(ids), dtype=np.float32)
+        h = eng.embed(ids)
+        if h is None:
+            h = np.asarray(self.embedder.embed(ids), dtype=np.float32)
         if eng.has_ffn:
             t = time.perf_counter()
             out = eng.step(h, cache, head)
@@ -289,7 +291,16 @@ def _build_engine(m: Transformer):
     if mode == "auto" and all(x.fmt == "f32" for x in mats):
         return None  # float32 weights: the exact BLAS path is the reference and no slower here
     head = m.head if isinstance(m.head, LocalHead) and graphable(m.head.weight) else None
-    return GraphEngine(s, m.attn, ffn, head.weight if head else None, head.norm if head else None)
+    embed = None
+    if head is not None and head.tied and head.weight.fmt not in ("f16", "f32") and isinstance(m.embedder, LocalEmbed):
+        # The GGUF's own token table (e.g. Q8_0) when the stored f16 embeddings are exactly its image:
+        # llama.cpp decodes token rows from it in float32, which f16 would round.
+        probe = np.linspace(0, head.vocab - 1, 64).astype(np.int64)
+        if np.array_equal(head.weight.rows(probe).astype(np.float16), np.asarray(m.embedder.table[probe], np.float16)):
+            embed = head.weight
+    return GraphEngine(s, m.attn, ffn, head.weight if head else None, head.norm if head else None,
+                       kv_dtype=np.float32 if mode == "on" and all(x.fmt == "f32" for x in mats) else np.float16,
+                       embed_matrix=embed)
 
 
 def project_qkv(s: ModelSpec, w: AttentionLayer, be: Backend, x: np.ndarray,

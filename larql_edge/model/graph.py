@@ -52,6 +52,7 @@ class GraphCache:
     num_layers: int
     kv_heads: int
     head_dim: int
+    dtype: type = np.float16  # llama.cpp's default KV type (its rounding is part of the arithmetic)
     capacity: int = 0
     length: int = 0
     slack: int = 0  # accepted for KVCache's interface; nothing is trimmed here
@@ -66,8 +67,8 @@ class GraphCache:
         cap = max(_FIRST_CAPACITY, self.capacity)
         while cap < n:
             cap *= 2
-        k = [np.zeros((self.kv_heads, cap, self.head_dim), np.float32) for _ in range(self.num_layers)]
-        v = [np.zeros((self.kv_heads * self.head_dim, cap), np.float32) for _ in range(self.num_layers)]
+        k = [np.zeros((self.kv_heads, cap, self.head_dim), self.dtype) for _ in range(self.num_layers)]
+        v = [np.zeros((self.kv_heads * self.head_dim, cap), self.dtype) for _ in range(self.num_layers)]
         for i in range(len(self.k)):
             k[i][:, : self.length] = self.k[i][:, : self.length]
             v[i][:, : self.length] = self.v[i][:, : self.length]
@@ -146,7 +147,8 @@ class _Step:
         pos = leaf(self.pos, b.ggml_new_tensor_1d(ctx, _I32, seq))
         masks = {w: leaf(m, b.ggml_new_tensor_2d(ctx, _F32, m.shape[1], seq)) for w, m in self.masks.items()}
         # the caches: one base tensor per layer (data set per step through the views below)
-        f4 = 4
+        f4 = np.dtype(eng.kv_dtype).itemsize  # bytes per cached value
+        kv_type = _ggml.TYPE["f16" if f4 == 2 else "f32"]
         self.k_write, self.v_write, self.k_read, self.v_read = [], [], [], []
         gf = self._graph = b.ggml_new_graph_custom(ctx, n_nodes * 2, False)
         cur = inp
@@ -154,8 +156,8 @@ class _Step:
             lw = eng.layers[li]
             window = s.sliding_window if s.is_sliding(li) else None
             n_att = lens[window]
-            kc = b.ggml_new_tensor_3d(ctx, _F32, hd, cap, nkv)
-            vc = b.ggml_new_tensor_2d(ctx, _F32, cap, nkv * hd)
+            kc = b.ggml_new_tensor_3d(ctx, kv_type, hd, cap, nkv)
+            vc = b.ggml_new_tensor_2d(ctx, kv_type, cap, nkv * hd)
             kc.contents.data = vc.contents.data = 1  # placeholder (never read): views need a non-null base
             x = eng.norm(ctx, cur, lw.pre_attn)
             q = b.ggml_reshape_3d(ctx, eng.mm(ctx, lw.q, x), hd, nq, seq)
@@ -182,13 +184,15 @@ class _Step:
             self.v_write.append(vw.contents)
             self.k_read.append(kr.contents)
             self.v_read.append(vr.contents)
+            kq_scale = float(s.attn_scale)
+            if eng.scale_q:  # Gemma in llama.cpp: q scaled before QK, softmax unscaled (same math, its rounding)
+                q, kq_scale = b.ggml_scale(ctx, q, kq_scale), 1.0
             kq = b.ggml_mul_mat(ctx, kr, b.ggml_permute(ctx, q, 0, 2, 1, 3))  # [n_att, seq, nq]
             if s.attn_logit_softcapping:
                 cap_ = float(s.attn_logit_softcapping)
-                kq = b.ggml_scale(ctx, b.ggml_tanh(ctx, b.ggml_scale(ctx, kq, float(s.attn_scale) / cap_)), cap_)
-                kq = b.ggml_soft_max_ext(ctx, kq, masks[window], 1.0, 0.0)
-            else:
-                kq = b.ggml_soft_max_ext(ctx, kq, masks[window], float(s.attn_scale), 0.0)
+                kq = b.ggml_scale(ctx, b.ggml_tanh(ctx, b.ggml_scale(ctx, kq, kq_scale / cap_)), cap_)
+                kq_scale = 1.0
+            kq = b.ggml_soft_max_ext(ctx, kq, masks[window], kq_scale, 0.0)
             o = b.ggml_mul_mat(ctx, vr, kq)  # [hd, seq, nq]
             o = b.ggml_cont_2d(ctx, b.ggml_permute(ctx, o, 0, 2, 1, 3), hd * nq, seq)
             a = eng.mm(ctx, lw.o, o)
@@ -274,8 +278,12 @@ class GraphEngine:
     the weight tensors point at the CompactMatrix bytes, the vindex's memory map)."""
 
     def __init__(self, spec: ModelSpec, attn: list, ffn: list | None, head_matrix: CompactMatrix | None,
-                 final_norm: np.ndarray | None):
+                 final_norm: np.ndarray | None, kv_dtype: type = np.float16, embed_matrix: CompactMatrix | None = None):
         self.spec = spec
+        self.kv_dtype = kv_dtype
+        self.scale_q = spec.family.name.startswith("gemma")
+        # token rows from the tied Q8_0 head when it holds the source's own values (`embed`)
+        self.embed_matrix = embed_matrix
         off = np.float32(spec.family.norm_offset)
 
         def nw(w):  # Gemma multiplies by (1 + w): folded once here, as llama.cpp's GGUF does
@@ -347,14 +355,33 @@ class GraphEngine:
             t = self._weights[id(w)] = (v, w, None)
         return t[0]
 
+    def __del__(self) -> None:
+        self._graphs.clear()  # the graphs point at the weight tensors: they go first
+        if self._wctx is not None and _ggml._lib is not None:
+            _ggml._lib.base.ggml_free(self._wctx)
+            self._wctx = None
+
     def glu(self, ctx, g, u):
         return getattr(_ggml.lib().base, self.glu_name)(ctx, g, u)
 
     # -- running -----------------------------------------------------------------------------------
 
+    def embed(self, ids) -> np.ndarray | None:
+        """Scaled input rows decoded by ggml from the tied quantized table (llama.cpp's ``get_rows``),
+        or None: the embedder's rows are the same values."""
+        if self.embed_matrix is None:
+            return None
+        idx = np.asarray(ids, dtype=np.int64)
+        if idx.size and (idx.min() < 0 or idx.max() >= self.embed_matrix.shape[0]):
+            raise ValueError(f"token id out of range [0, {self.embed_matrix.shape[0]})")
+        rows = self.embed_matrix.rows(idx)
+        if self.spec.embed_scale != 1.0:
+            rows *= np.float32(self.spec.embed_scale)
+        return rows
+
     def new_cache(self, slack: int = 0) -> GraphCache:
         s = self.spec
-        return GraphCache(s.num_layers, s.num_kv_heads, s.head_dim, slack=slack)
+        return GraphCache(s.num_layers, s.num_kv_heads, s.head_dim, self.kv_dtype, slack=slack)
 
     def _graph(self, seq: int, cap: int, lens: tuple, head: bool, layer: int | None = None) -> _Step:
         key = (seq, cap, lens, head, layer)
@@ -372,6 +399,8 @@ class GraphEngine:
         """``rows`` (embedded, ``[seq, hidden]``) through every layer, appended to ``cache``; returns
         the logits of the last row ``[vocab]`` (``head``) or the residual ``[seq, hidden]``."""
         seq = rows.shape[0]
+        if seq == 0:
+            raise ValueError("no ids to run: a step needs at least one row")
         if head and seq > _CHUNK:
             self.step(rows[:-_CHUNK], cache, False)
             return self.step(rows[-_CHUNK:], cache, True)
@@ -412,15 +441,16 @@ class GraphEngine:
         g.pos[:] = st.pos
         for w, m in st.masks.items():
             g.masks[w][:] = m
-        hd4, start = self.spec.head_dim * 4, st.start
+        esz = np.dtype(self.kv_dtype).itemsize
+        hdb, start = self.spec.head_dim * esz, st.start
         kw, vw, kr, vr = g.k_write, g.v_write, g.k_read, g.v_read
         for j, i in enumerate(g.layer_ids):
             kb, vb = cache.addrs[i]
             a = st.spans[self._layer_kind[i]]
-            kw[j].data = kb + start * hd4
-            vw[j].data = vb + start * 4
-            kr[j].data = kb + a * hd4
-            vr[j].data = vb + a * 4
+            kw[j].data = kb + start * hdb
+            vw[j].data = vb + start * esz
+            kr[j].data = kb + a * hdb
+            vr[j].data = vb + a * esz
 
     def attention(self, layer: int, h: np.ndarray, cache: GraphCache, st: "_StepState") -> tuple[np.ndarray, np.ndarray]:
         """One layer's attention half as a graph (the FFN is elsewhere): the residual after attention
