@@ -59,6 +59,18 @@ class LocalEmbed:
         return self.table[idx].astype(np.float32) * self.scale
 
 
+def activation(spec: ModelSpec, backend: Backend, weights: Sequence = ()):
+    """The FFN's activation: the exact float32 form on the reference backends and on float32 weights;
+    on compact (quantized, f16) weights Gemma's GELU is ggml's (llama.cpp's), so that an FFN shard,
+    the local product-by-product path and the one-graph step compute the same thing."""
+    compact = getattr(backend, "name", None) == "compact" and any(getattr(w, "fmt", "f32") != "f32" for w in weights)
+    if spec.family.activation == "gelu_tanh" and compact:
+        from larql_edge.model.kernels._ggml import gelu
+
+        return gelu
+    return ops.ACTIVATIONS[spec.family.activation]
+
+
 def ffn_compute(w: FfnLayer, x: np.ndarray, act, backend: Backend) -> np.ndarray:
     """``down(act(gate x) * up x)``: the whole of what an FFN shard computes for one layer."""
     return backend.linear(act(backend.linear(x, w.gate)) * backend.linear(x, w.up), w.down)
@@ -67,9 +79,9 @@ def ffn_compute(w: FfnLayer, x: np.ndarray, act, backend: Backend) -> np.ndarray
 class LocalFfn:
     def __init__(self, vx: Vindex, spec: ModelSpec, layers: Sequence[int] | None = None, backend: Backend | None = None):
         self.backend = backend or get_backend()
-        self.act = ops.ACTIVATIONS[spec.family.activation]
         wanted = range(spec.num_layers) if layers is None else layers
         self.layers = {i: load_ffn_layer(vx, i, self.backend) for i in wanted}
+        self.act = activation(spec, self.backend, [m for w in self.layers.values() for m in (w.gate, w.up, w.down)])
 
     def ffn(self, layer: int, x: np.ndarray) -> np.ndarray:
         w = self.layers.get(layer)
@@ -269,6 +281,11 @@ class Transformer:
             logits = self.next_logits([tok], cache)
 
 
+# The one-graph step decodes token rows from the tied quantized table when the stored f16 embeddings
+# are exactly its image (llama.cpp's values; an embed server serves the f16 image).
+EXACT_TOKEN_ROWS = False
+
+
 def _build_engine(m: Transformer):
     """A `GraphEngine` over the model's own weights when every product can run in a graph (compact
     backend, weights in ggml's types): the whole step when the FFN is local (the head joins when it is
@@ -292,7 +309,7 @@ def _build_engine(m: Transformer):
         return None  # float32 weights: the exact BLAS path is the reference and no slower here
     head = m.head if isinstance(m.head, LocalHead) and graphable(m.head.weight) else None
     embed = None
-    if head is not None and head.tied and head.weight.fmt not in ("f16", "f32") and isinstance(m.embedder, LocalEmbed):
+    if EXACT_TOKEN_ROWS and head is not None and head.tied and head.weight.fmt not in ("f16", "f32") and isinstance(m.embedder, LocalEmbed):
         # The GGUF's own token table (e.g. Q8_0) when the stored f16 embeddings are exactly its image:
         # llama.cpp decodes token rows from it in float32, which f16 would round.
         probe = np.linspace(0, head.vocab - 1, 64).astype(np.int64)
