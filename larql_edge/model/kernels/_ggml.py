@@ -257,3 +257,50 @@ def to_float(fmt: str, src: np.ndarray, dst: np.ndarray) -> None:
     number of values), with ggml's own dequantizer."""
     lib().to_float[fmt](src.ctypes.data, dst.ctypes.data, dst.size)
 
+
+
+_gelu_table: np.ndarray | None = None
+
+
+def gelu_table() -> np.ndarray:
+    """ggml's GELU at every float16 input, as float32 ``[65536]`` (indexed by the input's float16 bits):
+    what ggml's own ``ggml_table_gelu_f16`` holds, taken from ggml by running its GELU once."""
+    global _gelu_table
+    if _gelu_table is None:
+        L = lib()
+        b = L.base
+        x = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32)
+        x[~np.isfinite(x)] = 0.0
+        y = np.empty_like(x)
+        mem = np.empty(4 * int(b.ggml_tensor_overhead()) + int(b.ggml_graph_overhead_custom(8, False)) + 1024, np.uint8)
+        ctx = b.ggml_init(_InitParams(mem.nbytes, mem.ctypes.data, True))
+        try:
+            b.ggml_gelu.restype, b.ggml_gelu.argtypes = _TP, [C.c_void_p, _TP]
+            tx = b.ggml_new_tensor_2d(ctx, TYPE["f32"], x.size, 1)
+            tx.contents.data = x.ctypes.data
+            ty = b.ggml_gelu(ctx, tx)
+            ty.contents.data = y.ctypes.data
+            g = b.ggml_new_graph_custom(ctx, 8, False)
+            b.ggml_build_forward_expand(g, ty)
+            plan = L.cpu.ggml_graph_plan(g, 1, None)
+            work = np.empty(max(1, plan.work_size), np.uint8)
+            plan.work_data = work.ctypes.data
+            if L.cpu.ggml_graph_compute(g, C.byref(plan)) != 0:
+                raise KernelError("ggml_graph_compute failed")
+        finally:
+            b.ggml_free(ctx)
+        _gelu_table = y
+    return _gelu_table
+
+
+def gelu(x: np.ndarray) -> np.ndarray:
+    """GELU (tanh form) as ggml computes it for float32 (llama.cpp's Gemma FFN): looked up at the input
+    rounded to float16; 0 from -10 down, the identity from 10 up. The compact backend's activation, so
+    that an FFN shard computes what the one-graph step computes (`larql_edge.model.graph`)."""
+    x = np.asarray(x, dtype=np.float32)
+    y = gelu_table()[x.astype(np.float16).view(np.uint16)]
+    y[x <= -10.0] = 0.0
+    big = x >= 10.0
+    if big.any():
+        y[big] = x[big]
+    return y
