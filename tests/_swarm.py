@@ -58,9 +58,12 @@ from pathlib import Path
 
 import httpx
 
-PREFIX = "lqsw"
-BASE_DIR = Path(os.environ.get("LARQL_SWARM_DIR", "/var/lib/larql-swarm-test"))
-RUN_DIR = Path("/run/lqsw")  # sockets and exec roots: unix socket paths must stay short
+# LARQL_SWARM_PREFIX (with LARQL_SWARM_SUBNET): a second swarm beside one already running on this
+# machine (two checkouts testing at once); cleanup only ever touches its own prefix's leftovers.
+PREFIX = os.environ.get("LARQL_SWARM_PREFIX", "lqsw")
+BASE_DIR = Path(os.environ.get("LARQL_SWARM_DIR", "/var/lib/larql-swarm-test"
+                               + ("" if PREFIX == "lqsw" else f"-{PREFIX}")))
+RUN_DIR = Path(f"/run/{PREFIX}")  # sockets and exec roots: unix socket paths must stay short
 SUBNET = os.environ.get("LARQL_SWARM_SUBNET", "10.199.77")  # /24 of the namespaces' wire
 HOST_IP = f"{SUBNET}.1"
 HUB_NS = f"{PREFIX}-hub"

@@ -76,12 +76,15 @@ def pytest_collectreport(report):
 
 @pytest.fixture(autouse=True)
 def _cpu_hogs_beside(request):
-    if not _CPU_HOGS or request.node.get_closest_marker("under_load") is None:
+    marker = request.node.get_closest_marker("under_load")
+    # ``under_load(hogs=N)``: a test whose claim is about a loaded host runs beside N hogs anywhere
+    hogs = max(_CPU_HOGS, marker.kwargs.get("hogs", 0)) if marker is not None else 0
+    if not hogs:
         yield
         return
     from larql_edge.testing.load import cpu_hogs
 
-    with cpu_hogs(_CPU_HOGS):
+    with cpu_hogs(hogs):
         yield
 
 

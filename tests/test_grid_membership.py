@@ -177,6 +177,35 @@ def test_a_member_joins_every_router_and_rejoins_one_that_restarts(tiny_models):
                 restarted.stop()
 
 
+def test_ready_joined_waits_for_every_router_once(tiny_models):
+    """``/v1/ready?joined=1`` (the Swarm stack's member health check) is 503 until the member has joined
+    every router, then stays 200 while a router restarts (sticky: a healthy task is never killed for a
+    router's restart); the plain ``/v1/ready`` reports the membership as ``grid``."""
+    with inproc.router() as r1, inproc.router() as r2:
+        port = r2.port
+        r2.stop()  # one of the two routers is down: the member joins only r1
+        with inproc.shard(tiny_models["gemma3"], "0-1", join=[r1.url, f"http://127.0.0.1:{port}"]) as s:
+            wait_grid(r1.url, members=1)
+            r = httpx.get(s.url + "/v1/ready", params={"joined": "1"})
+            assert r.status_code == 503 and "joined 1 of 2 router(s)" in r.json()["error"], r.text
+            assert httpx.get(s.url + "/v1/ready").json()["grid"] == {"routers": 2, "joined": 1, "settled": False}
+            assert httpx.get(s.url + "/v1/ready", params={"joined": "maybe"}).status_code == 400
+            from larql_edge.testing.servers import ServerThread
+
+            again = ServerThread(inproc.router().app, port=port).start()
+            try:
+                wait_grid(again.url, members=1, timeout=10)
+                deadline = time.monotonic() + 10
+                while httpx.get(s.url + "/v1/ready", params={"joined": "1"}).status_code != 200:
+                    assert time.monotonic() < deadline, httpx.get(s.url + "/v1/ready").text
+                    time.sleep(0.05)
+            finally:
+                again.stop()
+            # the router is gone again: joined drops, settled stays, ready stays 200
+            r = httpx.get(s.url + "/v1/ready", params={"joined": "true"})
+            assert r.status_code == 200 and r.json()["grid"]["settled"] is True
+
+
 def test_leave_on_request_drains_the_member(tiny_models):
     """What a preStop hook (docker/roles/larql-leave) calls: the member leaves every router, then drains."""
     with inproc.router() as r1, inproc.router() as r2, inproc.shard(tiny_models["gemma3"], "0-1", join=[r1.url, r2.url]) as s:

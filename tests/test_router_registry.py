@@ -53,6 +53,22 @@ def test_join_heartbeat_and_eviction(reg):
     assert reg.heartbeat(Load(member_id=b.id, member_token=b.test_token)) is None  # forgotten: join again
 
 
+def test_the_routers_own_stall_is_not_a_members_silence(reg):
+    """A router whose loop ran late (a starved host) does not evict members for heartbeats it could
+    not read meanwhile; a member silent beyond that is still evicted (issue 19: a rolling update on a
+    busy host uncovered a range)."""
+    a = join(reg, ann("http://a:1", 0, 3))
+    reg.clock_obj.t += 3.5
+    reg.note_stall(2.0)  # housekeeping slept 2 s longer than asked
+    reg.note_stall(-0.1)  # early wake-ups count for nothing
+    assert reg.silence(a) == pytest.approx(1.5)
+    assert reg.evict_stale() == [] and reg.view()["complete"]
+    reg.heartbeat(Load(member_id=a.id, member_token=a.test_token))
+    reg.clock_obj.t += 3.5  # silent 3.5 s with the router on time: evicted
+    assert reg.silence(a) == pytest.approx(3.5)
+    assert [m.id for m in reg.evict_stale()] == [a.id]
+
+
 def test_a_live_members_url_cannot_be_taken(reg):
     """A key holder cannot replace a member by joining with its URL; once it is evicted, it can rejoin."""
     a1 = join(reg, ann("http://a:1"))

@@ -23,6 +23,7 @@ Needs root (namespaces, extra dockerds) and a Docker engine; skipped without the
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import subprocess
 import threading
@@ -406,9 +407,12 @@ def test_partition_router_from_a_node_evicts_its_members_then_they_rejoin(full_g
 class CoverageWatch:
     """Polls every router's /v1/grid a few times a second; records every moment a layer is unserved."""
 
-    def __init__(self, g: Grid):
+    def __init__(self, g: Grid, timeout: float = 10.0):
         self.g = g
+        self.timeout = timeout
         self.samples = 0
+        self.per_url: dict[str, int] = {}
+        self.min_replicas: dict[str, int] = {}  # fewest live replicas seen per coverage run (layers -> n)
         self.gaps: list[str] = []
         self.errors: list[str] = []
         self._stop = threading.Event()
@@ -424,15 +428,19 @@ class CoverageWatch:
         self._thread.join(10)
 
     def _run(self) -> None:
-        with httpx.Client(timeout=3) as c:
+        with httpx.Client(timeout=self.timeout) as c:
             while not self._stop.is_set():
                 for u in self.urls:
                     try:
                         v = c.get(u + "/v1/grid").json()
                     except (httpx.HTTPError, ValueError) as e:
-                        self.errors.append(f"{u}: {e}")
+                        self.errors.append(f"{time.strftime('%H:%M:%S')} {u}: {type(e).__name__} {e}")
                         continue
                     self.samples += 1
+                    self.per_url[u] = self.per_url.get(u, 0) + 1
+                    for run in v["coverage"]:
+                        k = run["layers"]
+                        self.min_replicas[k] = min(self.min_replicas.get(k, run["replicas"]), run["replicas"])
                     if not v["complete"]:
                         self.gaps.append(f"{time.strftime('%H:%M:%S')} {u}: gaps {v['gaps']}")
                 self._stop.wait(0.25)
@@ -495,6 +503,118 @@ def test_update_to_a_broken_image_rolls_back_by_itself(full_grid):
     g.wait_full(120)
     assert {t["ID"] for t in s.tasks(svc)} == old_tasks  # start-first: the old tasks never stopped
     assert watch.gaps == [] and bad == [], (watch.gaps[:10], bad)
+
+
+class Streams:
+    """Four generations at a time, back to back, until stopped: two with the attention-only client
+    (this host, every router's URL), two streamed by larql-serve (OpenAI completions, SSE; serve on the
+    manager reaches the routers by their dnsrr name). Every one must give the reference text; any
+    exception, error event, missing [DONE] or other text is a failed generation."""
+
+    def __init__(self, g: Grid, case: dict, n: int = 4):
+        self.g, self.case = g, case
+        self.serve = f"http://{g.manager.ip}:8000" if g.features["serve"] else None
+        kinds = ["larql", "serve"] * (n // 2) if self.serve else ["larql"] * n
+        self.ok = {i: 0 for i in range(n)}
+        self.failed: list[str] = []
+        self.kinds = kinds
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, args=(i, k), daemon=True) for i, k in enumerate(kinds)]
+
+    def _one_larql(self, model) -> None:
+        out = list(model.generate(self.g.reference["prompt_ids"], 8, stop_ids=[]))
+        if out != self.g.reference["greedy32"][:8]:
+            raise AssertionError(f"tokens {out}")
+
+    def _one_serve(self, c: httpx.Client) -> None:
+        text, done = "", False
+        body = {"model": "gemma3-270m", "prompt": PROMPT, "max_tokens": 16, "temperature": 0, "stream": True}
+        with c.stream("POST", self.serve + "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                raise AssertionError(f"HTTP {r.status_code}: {r.read()[:300]!r}")
+            for line in r.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                if data == "[DONE]":
+                    done = True
+                    break
+                obj = json.loads(data)
+                if "error" in obj:
+                    raise AssertionError(f"error event {obj['error']}")
+                text += "".join(ch.get("text", "") for ch in obj.get("choices", []))
+        if not done or text != self.case["greedy_text"]:
+            raise AssertionError(f"[DONE] {done}, text {text!r}")
+
+    def _run(self, i: int, kind: str) -> None:
+        with httpx.Client(timeout=httpx.Timeout(120, connect=10)) as c:
+            model = self.g.client() if kind == "larql" else None
+            while not self._stop.is_set():
+                t0 = time.monotonic()
+                try:
+                    self._one_larql(model) if kind == "larql" else self._one_serve(c)
+                    self.ok[i] += 1
+                except Exception as e:  # noqa: BLE001 - every failure is counted and reported
+                    self.failed.append(f"{time.strftime('%H:%M:%S')} stream {i} ({kind}, {time.monotonic() - t0:.1f}s): "
+                                       f"{type(e).__name__}: {str(e)[:300]}")
+
+    def __enter__(self) -> "Streams":
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(300)
+
+
+@pytest.mark.under_load(hogs=2)
+def test_rolling_update_of_every_ffn_service_under_load_keeps_every_range_and_generation(full_grid, golden):
+    """Issue 19's rolling update: `docker service update --force` of every FFN service, one after the
+    other, with two CPU hogs running and four streams generating: no failed generation, and no layer
+    range uncovered in any sample of either router. What keeps a range covered: start-first updates
+    whose new task is healthy only once it has joined every router (its health check is
+    /v1/ready?joined=1), so the old one stops only when the range already has its replicas again; the
+    old task drains on SIGTERM (leaves the routers at once, finishes what it computes) within
+    stop_grace_period; and the router does not count its own stalls on a starved host as members'
+    silence."""
+    g, s = full_grid, full_grid.swarm
+    case = golden("gemma3-270m")["prompts"][0]
+    if g.features["serve"]:
+        base = f"http://{g.manager.ip}:8000"
+        sw.until("serve ready", lambda: httpx.get(base + "/v1/ready", timeout=3).status_code == 200, 120, 1.0)
+    t0 = time.monotonic()
+    replaced: dict[str, float] = {}
+    terminal = ("completed", "paused", "rollback_completed", "rollback_paused")
+    with CoverageWatch(g) as watch, Streams(g, case) as streams:
+        sw.until("every stream generated once", lambda: all(streams.ok.values()) or streams.failed, 600, 0.5)
+        before = sum(streams.ok.values())
+        for svc in FFN_SERVICES:
+            t1 = time.monotonic()
+            old_tasks = {t["ID"] for t in s.tasks(svc)}
+            s.manager.docker("service", "update", "--detach", "--force", svc)
+            sw.until(f"{svc} update started", lambda svc=svc: _update_state(s, svc) != "", 30, 0.2)
+            sw.until(f"{svc} update finished", lambda svc=svc: _update_state(s, svc) in terminal, 900, 1.0,
+                     describe=g.describe)
+            assert _update_state(s, svc) == "completed", g.describe()
+            tasks = s.tasks(svc)
+            assert len(tasks) == FFN_REPLICAS and not ({t["ID"] for t in tasks} & old_tasks), g.describe()
+            replaced[svc] = time.monotonic() - t1
+        during = sum(streams.ok.values()) - before
+    elapsed = time.monotonic() - t0
+    per_router = {u: watch.per_url.get(u, 0) for u in watch.urls}
+    log(f"rolling update of {', '.join(FFN_SERVICES)} beside 2 CPU hogs: {elapsed:.0f}s "
+        f"({', '.join(f'{k} {v:.0f}s' for k, v in replaced.items())}); generations {sum(streams.ok.values())} "
+        f"({during} during the updates; per stream {streams.ok}, kinds {streams.kinds}), failed "
+        f"{len(streams.failed)}; coverage samples {watch.samples} {per_router}, gaps {len(watch.gaps)}, "
+        f"poll errors {len(watch.errors)}, fewest live replicas of a range {watch.min_replicas}")
+    assert streams.failed == [], streams.failed[:10]
+    assert watch.gaps == [], watch.gaps[:10]
+    assert watch.errors == [], watch.errors[:10]
+    assert all(n >= 20 for n in per_router.values()), per_router
+    assert during >= len(streams.kinds), (during, streams.ok)  # the streams ran through the updates
+    g.wait_full(120)
 
 
 def test_kill_one_of_two_routers_mid_generation(full_grid):

@@ -34,7 +34,7 @@ from sanic.response import HTTPResponse, json
 
 from larql_edge.config import Flags
 from larql_edge.errors import ProtocolError, Unauthorized
-from larql_edge.net.tls import client_context
+from larql_edge.net.tls import client_context, verify_name
 from larql_edge.service.identity import rss_bytes
 from larql_edge.wire.grid import HEARTBEAT, JOIN, LEAVE, check_url
 
@@ -133,8 +133,9 @@ class RouterLink:
 
     def __init__(self, router_url: str, grid_key: str, public_url: str, capability: str,
                  describe_fn: Callable[[], dict], timeout: float = 3.0,
-                 ready_fn: Callable[[], bool] | None = None):
+                 ready_fn: Callable[[], bool] | None = None, on_join: Callable[[], None] | None = None):
         self.router = router_url.rstrip("/")
+        self.on_join = on_join
         self._auth = {"Authorization": f"Bearer {grid_key}"}
         self.public_url = public_url
         self.capability = capability
@@ -162,8 +163,12 @@ class RouterLink:
 
     @property
     def _extensions(self) -> dict:
-        name = SERVER_NAMES.get(self.router)
-        return {"sni_hostname": name} if name and self.router.startswith("https:") else {}
+        # over https the router is verified under the name its address came from, or --tls-server-name
+        if not self.router.startswith("https:"):
+            return {}
+        host = urlsplit(self.router).hostname or ""
+        name = verify_name(SERVER_NAMES.get(self.router, host))
+        return {"sni_hostname": name} if name != host else {}
 
     async def _post(self, path: str, body: dict, timeout: float | None = None) -> httpx.Response:
         assert self._client is not None
@@ -181,6 +186,8 @@ class RouterLink:
             self.joins += 1
             self._warned = False
             log.info("joined the grid at %s as %s (%s, %s)", self.router, self.member_id, self.capability, self.public_url)
+            if self.on_join is not None:
+                self.on_join()
             return True
         if r.status_code == 401:
             log.error("the router at %s refused the grid key (401); check --grid-key", self.router)
@@ -207,6 +214,7 @@ class RouterLink:
 
     async def run(self) -> None:
         self._client = httpx.AsyncClient(timeout=self.timeout, verify=client_context())
+        loop = asyncio.get_running_loop()
         delay = RETRY_FIRST_S
         try:
             while not self._stop.is_set():
@@ -217,8 +225,12 @@ class RouterLink:
                         ok = await self.join()
                         wait = self.interval if ok else REFUSED_RETRY_S
                     else:
+                        # On the router's cadence from when this one was sent, not after its reply:
+                        # a slow reply (a busy router or host) must not stretch the gap between two
+                        # heartbeats towards the eviction age.
+                        sent = loop.time()
                         await self.heartbeat()
-                        wait = self.interval if self.member_id else 0.0
+                        wait = max(0.0, self.interval - (loop.time() - sent)) if self.member_id else 0.0
                     delay = RETRY_FIRST_S
                 except _Refused:
                     wait = REFUSED_RETRY_S
@@ -265,15 +277,30 @@ class Membership:
         self.ready = ready_fn
         self.resolve = resolve
         self.links: dict[str, tuple[RouterLink, asyncio.Task]] = {}
+        # Joined every router it resolved, at least once (sticky): what an orchestrator waits for before
+        # it stops the task this one replaces (`/v1/ready?joined=1`), so a rolling update never drops a
+        # layer range below its replica count. Sticky so that a router restarting later does not make
+        # a healthy member look unhealthy (and be killed) while it rejoins.
+        self.settled = False
         self._stop = asyncio.Event()
 
     @property
     def member_ids(self) -> dict[str, str | None]:
         return {url: link.member_id for url, (link, _) in self.links.items()}
 
+    def status(self) -> dict[str, int | bool]:
+        """Routers known, routers joined now, and `settled` (what ``/v1/ready`` reports as ``grid``)."""
+        joined = sum(1 for link, _ in self.links.values() if link.member_id)
+        return {"routers": len(self.links), "joined": joined, "settled": self.settled}
+
+    def _joined_one(self) -> None:
+        if self.links and all(link.member_id for link, _ in self.links.values()):
+            self.settled = True
+
     def _start(self, url: str) -> None:
         s = self.settings
-        link = RouterLink(url, s.grid_key, s.public_url, self.capability, self.describe, ready_fn=self.ready)
+        link = RouterLink(url, s.grid_key, s.public_url, self.capability, self.describe, ready_fn=self.ready,
+                          on_join=self._joined_one)
         self.links[url] = (link, asyncio.get_running_loop().create_task(link.run()))
 
     async def _drop(self, url: str) -> None:

@@ -85,11 +85,15 @@ def serve(factory: Callable[[], Sanic], host: str, port: int, workers: int = 1, 
             raise SetupError("TLS with --workers > 1 is not supported: run one worker per process")
         app = factory()
         ctx = server_context(tls)
-        _install_reload(app, Reloader(tls, [ctx, client_context()]))
+        _install_reload(app, Reloader(tls, [ctx], [client_context()]))
         app.run(host=host, port=port, single_process=True, access_log=access_log, motd=False, ssl=ctx)
         return
     if workers <= 1:
-        factory().run(host=host, port=port, single_process=True, access_log=access_log, motd=False)
+        app = factory()
+        if tls is not None and tls.ca:
+            # plain HTTP here, https:// upstreams: their CA file is still watched
+            _install_reload(app, Reloader(tls, [], [client_context()]))
+        app.run(host=host, port=port, single_process=True, access_log=access_log, motd=False)
         return
     from sanic.worker.loader import AppLoader
 
@@ -100,7 +104,8 @@ def serve(factory: Callable[[], Sanic], host: str, port: int, workers: int = 1, 
 
 
 def _install_reload(app: Sanic, reloader: Reloader) -> None:
-    """SIGHUP reloads at once; a poll catches renewed files. Either way only new connections see it."""
+    """SIGHUP reloads at once; a poll catches renewed files (certificate, key and CA files). Either
+    way only new connections see it."""
     app.ctx.tls_reloader = reloader
 
     async def poll() -> None:

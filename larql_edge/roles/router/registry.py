@@ -56,6 +56,7 @@ class Member:
     vindex_hash: str = ""
     joined_at: float = 0.0
     last_seen: float = 0.0
+    stalled_at_seen: float = 0.0  # the registry's `stalled` total at last_seen (see Registry.silence)
     reported_inflight: int = 0
     rss_bytes: int = 0
     layer_latency_ms: dict[int, float] = field(default_factory=dict)
@@ -125,6 +126,9 @@ class Registry:
         self.evict_after = evict_after if evict_after is not None else 3 * heartbeat_interval
         self.clock = clock
         self.members: dict[str, Member] = {}
+        # Seconds this router itself was stalled (its event loop late: a busy or starved host), in
+        # all: they do not count as a member's silence, since its heartbeats could not be read then.
+        self.stalled = 0.0
         self._rr = itertools.count()  # breaks ties between equally good replicas in turn
 
     # -- membership ------------------------------------------------------------------------------
@@ -171,7 +175,7 @@ class Registry:
             num_layers=a.num_layers, hidden_size=a.hidden_size, vindex_hash=a.vindex_hash,
             layers=LayerRange(a.layer_start, a.layer_end)
             if a.capability == "ffn" and a.layer_start is not None and a.layer_end is not None else None,
-            joined_at=now, last_seen=now, token_hash=_hash(token), facts=dict(facts or {}),
+            joined_at=now, last_seen=now, stalled_at_seen=self.stalled, token_hash=_hash(token), facts=dict(facts or {}),
         )
         self.members[m.id] = m
         return m, token
@@ -190,6 +194,7 @@ class Registry:
         if m is None:
             return None
         m.last_seen = self.clock()
+        m.stalled_at_seen = self.stalled
         m.reported_inflight = load.inflight
         m.rss_bytes = load.rss_bytes
         m.layer_latency_ms = dict(load.layer_latency_ms)
@@ -201,9 +206,21 @@ class Registry:
             del self.members[member_id]
         return m
 
+    def note_stall(self, seconds: float) -> None:
+        """The router's own loop ran ``seconds`` late (housekeeping measures it)."""
+        if seconds > 0:
+            self.stalled += seconds
+
+    def silence(self, m: Member, now: float | None = None) -> float:
+        """How long ``m`` has been silent, not counting the time this router was stalled since its
+        last heartbeat: on a starved host the router must not blame a member for its own lateness
+        (heartbeats wait unread in its socket meanwhile, and eviction would uncover their layers)."""
+        now = self.clock() if now is None else now
+        return now - m.last_seen - (self.stalled - m.stalled_at_seen)
+
     def evict_stale(self) -> list[Member]:
         now = self.clock()
-        stale = [m for m in self.members.values() if not m.static and now - m.last_seen > self.evict_after]
+        stale = [m for m in self.members.values() if not m.static and self.silence(m, now) > self.evict_after]
         for m in stale:
             del self.members[m.id]
         return stale
