@@ -208,6 +208,9 @@ def main() -> int:
         say(f"  (all rounds: local {', '.join(f'{r:.1f}' for r in rates['local'])}; "
             f"grid {', '.join(f'{r:.1f}' for r in rates['grid'])}; direct path {', '.join(f'{r:.1f}' for r in rates['topo'])}; "
             f"by hand {', '.join(f'{r:.1f}' for r in rates['direct'])})")
+        paired = lambda a, b: float(np.median([x / y for x, y in zip(rates[a], rates[b], strict=True)]))  # noqa: E731
+        say(f"  (median of the per-round ratios, rounds interleaved: direct path {paired('topo', 'grid'):.2f}x via router, "
+            f"by hand {paired('direct', 'grid'):.2f}x via router, direct path {paired('topo', 'direct'):.2f}x by hand)")
         say("")
 
         if args.compare_code:
@@ -220,6 +223,8 @@ def main() -> int:
             say(f"Direct data path, client from this tree vs {other} (separate client processes, alternating, best of {args.rounds}):")
             say(f"  this tree   {bt:6.1f} tok/s   {bt / bo:.2f}x   (all rounds: {', '.join(f'{r:.1f}' for r in cmp['this'])})")
             say(f"  {other.name:11s} {bo:6.1f} tok/s   (all rounds: {', '.join(f'{r:.1f}' for r in cmp['other'])})")
+            pr = float(np.median([x / y for x, y in zip(cmp["this"], cmp["other"], strict=True)]))
+            say(f"  median of the per-round ratios: this tree {pr:.2f}x {other.name}")
             say("")
 
         pf = {k: min(prefill_seconds(m, long_ids) for _ in range(args.rounds))
