@@ -1,8 +1,8 @@
 """Speculative decoding on the real models, slow tier: through a real grid of processes (router, embed
 server, two FFN shards) and through larql-serve (a process of its own) with 8 concurrent streams,
 greedy continuations of 64 tokens with speculation on (n-gram drafts, and the q4k vindex of the same
-model drafting for the f16 grid) equal speculation off, token for token; the first 16 are the golden
-ones (Hugging Face transformers, an independent implementation)."""
+model drafting for the f16 grid, in `larql generate` and in larql-serve) equal speculation off, token
+for token; the first 16 are the golden ones (Hugging Face transformers, an independent implementation)."""
 
 from __future__ import annotations
 
@@ -92,7 +92,7 @@ def test_a_draft_vindex_with_another_tokenizer_is_a_clear_error(real_grid, gemma
     assert "same tokenizer" in r.stderr and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
-def test_larql_serve_8_concurrent_streams_with_speculation_equal_without(real_grid, golden):
+def test_larql_serve_8_concurrent_streams_with_speculation_equal_without(real_grid, golden, real_quantized):
     procs = real_grid["procs"]
 
     def serve(name: str, *flags: str) -> str:
@@ -112,11 +112,18 @@ def test_larql_serve_8_concurrent_streams_with_speculation_equal_without(real_gr
         return c["text"], c["logprobs"]["tokens"], c["finish_reason"], r.json()["usage"]["completion_tokens"]
 
     off, on = serve("serve-off", "--no-speculate"), serve("serve-on")
+    # larql-serve --draft: the q4k vindex of the same model drafting, a KV cache of its own per sequence
+    drafted = serve("serve-draft", "--draft", str(real_quantized(real_grid["model"], "q4k")))
     with ThreadPoolExecutor(8) as pool:
         want = list(pool.map(lambda p: run(off, p), prompts))
         got = list(pool.map(lambda p: run(on, p), prompts))
+        by_draft = list(pool.map(lambda p: run(drafted, p), prompts))
     assert got == want
+    assert by_draft == want
     stats = httpx.get(on + "/v1/stats").json()
     assert stats["speculation"]["enabled"] is True
     assert stats["scheduler"]["speculation"]["accepted_tokens"] > 0
+    dstats = httpx.get(drafted + "/v1/stats").json()
+    assert dstats["speculation"]["drafter"] == "model"
+    assert dstats["scheduler"]["speculation"]["accepted_tokens"] > 0
     assert httpx.get(off + "/v1/stats").json()["scheduler"]["speculation"]["drafted_tokens"] == 0
