@@ -375,14 +375,18 @@ def test_larql_serve_refuses_a_bad_draft_in_one_line(tiny_models, tmp_path, args
     assert message in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
-def test_larql_generate_timings_show_the_draft_models_time(tiny_models):
+def test_larql_generate_timings_show_the_draft_models_time(tiny_models, tmp_path):
     from tests._cli import larql
 
     v = str(tiny_models["gemma3"])
     prompt = "the capital of france is the capital of france is the"
-    r = larql("generate", "--vindex", v, "--prompt", prompt, "--max-tokens", "12", "--timings", "--draft", v)
+    metrics = tmp_path / "client.prom"
+    r = larql("generate", "--vindex", v, "--prompt", prompt, "--max-tokens", "12", "--timings", "--draft", v,
+              "--metrics-file", str(metrics))
     assert r.returncode == 0, r.stderr
     assert "+ draft model " in r.stderr, r.stderr
+    count = [x for x in metrics.read_text().splitlines() if x.startswith("larql_client_draft_seconds_count")]
+    assert count and float(count[0].split()[-1]) > 0, count
     j = larql("generate", "--vindex", v, "--prompt", prompt, "--max-tokens", "12", "--timings", "--json", "--draft", v)
     body = json.loads(j.stdout)
     assert body["speculation"]["draft_seconds"] > 0
