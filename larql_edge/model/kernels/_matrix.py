@@ -9,6 +9,7 @@ import numpy as np
 
 from larql_edge.model.kernels import _ggml, _threads
 from larql_edge.model.kernels._formats import FORMATS, KernelError, block_format
+from larql_edge.model.ops import linear_rows
 
 # From this many rows of x on, a product decodes W tile by tile into float32 (ggml's dequantizer) and
 # multiplies each tile with BLAS instead of ggml's mul_mat; the wheel's x86 build has no llamafile
@@ -125,7 +126,7 @@ class CompactMatrix:
         elif out.dtype != np.float32 or out.shape != (n, rows) or not out.flags.c_contiguous:
             raise KernelError(f"out must be a C-contiguous float32 [{n}, {rows}] array")
         if self.fmt == "f32":
-            np.matmul(x2, self.data.T, out=out)
+            linear_rows(x2, self.data.T, out=out)  # a row's floats do not depend on its company
             return out[0] if vector else out
         if n:
             pc = FORMATS[self.fmt].padded_cols(cols)
