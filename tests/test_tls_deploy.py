@@ -26,6 +26,7 @@ import pytest
 import yaml
 
 from larql_edge.tools.grid.cli import main as grid_main
+from tests import _docker as dk  # at import: its TAG comes from LARQL_IMAGE_TAG, which the tests' isolation hides later
 from tests.test_tls import _TlsServer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -281,6 +282,17 @@ def _greedy(vindex, prompt: str, n: int) -> list[int]:
     return list(Transformer.local(vx).generate(vx.load_tokenizer().encode(prompt).ids, n, stop_ids=[]))
 
 
+def _diagnose(project: str) -> str:
+    """Each container's state, last health check outputs and log tail: what a failed `up` needs."""
+    out = []
+    for c in dk.client().containers.list(all=True, filters={"label": f"com.docker.compose.project={project}"}):
+        c.reload()
+        health = (c.attrs["State"].get("Health") or {}).get("Log", [])[-2:]
+        out.append(f"--- {c.name}: {c.attrs['State']['Status']} health {[h.get('Output', '')[-300:] for h in health]}\n"
+                   + c.logs(tail=15).decode(errors="replace"))
+    return "\n".join(out)[-8000:]
+
+
 def _plain_http_refused(port: int) -> bool:
     """True when a plain-HTTP request to the port gets no HTTP reply (the TLS server drops it)."""
     with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
@@ -301,8 +313,6 @@ def test_docker_compose_tls_grid_generates_and_refuses_plain_http(tmp_path, gemm
     generation through the client container, the published router/embed/serve/edge ports speaking TLS
     only (plain HTTP gets no HTTP reply), a client without a certificate or with another CA's refused
     by the router, Prometheus scraping every role over https."""
-    from tests import _docker as dk
-
     dk.require_engine()
     tls_dir = tmp_path / "tls"
     assert grid_main(["certs", str(tls_dir), "--readable-keys"]) == 0
@@ -326,11 +336,11 @@ def test_docker_compose_tls_grid_generates_and_refuses_plain_http(tmp_path, gemm
         deadline = t0 + 900
         grid_c = None
         while grid_c is None or dk.health(grid_c) != "healthy":
-            assert up.poll() is None, f"compose up exited ({up.returncode}):\n{log_path.read_text()[-6000:]}"
-            assert time.monotonic() < deadline, f"grid not healthy in 900s:\n{log_path.read_text()[-6000:]}"
+            assert up.poll() is None, f"compose up exited ({up.returncode}):\n{log_path.read_text()[-3000:]}\n{_diagnose(project)}"
+            assert time.monotonic() < deadline, f"grid not healthy in 900s:\n{log_path.read_text()[-3000:]}\n{_diagnose(project)}"
             grid_c = grid_c or dk.compose_container(project, "grid")
             if grid_c is not None:
-                assert dk.health(grid_c) not in ("exited", "dead", "unhealthy"), log_path.read_text()[-6000:]
+                assert dk.health(grid_c) not in ("exited", "dead", "unhealthy"), _diagnose(project)
             time.sleep(2)
         up_s = time.monotonic() - t0
         for svc in ("router", "embed", "ffn-a", "ffn-b", "edge", "prometheus"):
