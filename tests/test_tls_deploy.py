@@ -293,6 +293,17 @@ def _diagnose(project: str) -> str:
     return "\n".join(out)[-8000:]
 
 
+def _container(project: str, service: str):
+    """dk.compose_container, None while Compose is still replacing it (the SDK lists, then inspects:
+    a container removed in between is a NotFound, seen here once during `up`)."""
+    import docker.errors
+
+    try:
+        return dk.compose_container(project, service)
+    except docker.errors.NotFound:
+        return None
+
+
 def _plain_http_refused(port: int) -> bool:
     """True when a plain-HTTP request to the port gets no HTTP reply (the TLS server drops it)."""
     with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
@@ -338,7 +349,7 @@ def test_docker_compose_tls_grid_generates_and_refuses_plain_http(tmp_path, gemm
         while grid_c is None or dk.health(grid_c) != "healthy":
             assert up.poll() is None, f"compose up exited ({up.returncode}):\n{log_path.read_text()[-3000:]}\n{_diagnose(project)}"
             assert time.monotonic() < deadline, f"grid not healthy in 900s:\n{log_path.read_text()[-3000:]}\n{_diagnose(project)}"
-            grid_c = grid_c or dk.compose_container(project, "grid")
+            grid_c = grid_c or _container(project, "grid")
             if grid_c is not None:
                 assert dk.health(grid_c) not in ("exited", "dead", "unhealthy"), _diagnose(project)
             time.sleep(2)
@@ -361,7 +372,7 @@ def test_docker_compose_tls_grid_generates_and_refuses_plain_http(tmp_path, gemm
             assert c.get(router + "/v1/ready").json()["complete"]
             embed_row = c.get(f"https://localhost:{ports['LARQL_EDGE_PUBLISH']}/v1/embed/100")
             assert embed_row.status_code == 200 and len(embed_row.content) == 640 * 4
-        serve_c = dk.compose_container(project, "serve")
+        serve_c = _container(project, "serve")
         deadline = time.monotonic() + 300
         while dk.health(serve_c) != "healthy":
             assert time.monotonic() < deadline, serve_c.logs().decode()[-3000:]
