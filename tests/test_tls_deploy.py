@@ -287,9 +287,10 @@ def _diagnose(project: str) -> str:
     out = []
     for c in dk.client().containers.list(all=True, filters={"label": f"com.docker.compose.project={project}"}):
         c.reload()
-        health = (c.attrs["State"].get("Health") or {}).get("Log", [])[-2:]
-        out.append(f"--- {c.name}: {c.attrs['State']['Status']} health {[h.get('Output', '')[-300:] for h in health]}\n"
-                   + c.logs(tail=15).decode(errors="replace"))
+        h = c.attrs["State"].get("Health") or {}
+        checks = [(x.get("ExitCode"), x.get("Output", "")[-200:]) for x in h.get("Log", [])]
+        out.append(f"--- {c.name} ({c.short_id}): {c.attrs['State']['Status']}, health {h.get('Status')} "
+                   f"(failing streak {h.get('FailingStreak')}) checks {checks}\n" + c.logs(tail=8).decode(errors="replace"))
     return "\n".join(out)[-8000:]
 
 
