@@ -367,9 +367,17 @@ def test_docker_compose_tls_grid_generates_and_refuses_plain_http(tmp_path, gemm
         assert res["generated_ids"] == _greedy(gemma_f16, "The capital of France is", 6), res
 
         # the published ports: TLS only, verified under localhost with the grid's CA
-        ca, client = str(tls_dir / "ca.crt"), (str(tls_dir / "client/tls.crt"), str(tls_dir / "client/tls.key"))
+        ca = str(tls_dir / "ca.crt")
+
+        def ctx(cert: tuple[str, str] | None) -> ssl.SSLContext:
+            out = ssl.create_default_context(cafile=ca)
+            if cert:
+                out.load_cert_chain(*cert)
+            return out
+
+        client = (str(tls_dir / "client/tls.crt"), str(tls_dir / "client/tls.key"))
         router = f"https://localhost:{ports['LARQL_ROUTER_PUBLISH']}"
-        with httpx.Client(verify=ssl.create_default_context(cafile=ca), cert=client, timeout=10) as c:
+        with httpx.Client(verify=ctx(client), timeout=10) as c:
             assert c.get(router + "/v1/ready").json()["complete"]
             embed_row = c.get(f"https://localhost:{ports['LARQL_EDGE_PUBLISH']}/v1/embed/100")
             assert embed_row.status_code == 200 and len(embed_row.content) == 640 * 4
@@ -379,14 +387,14 @@ def test_docker_compose_tls_grid_generates_and_refuses_plain_http(tmp_path, gemm
             assert time.monotonic() < deadline, serve_c.logs().decode()[-3000:]
             time.sleep(2)
         models = httpx.get(f"https://localhost:{ports['LARQL_SERVE_PUBLISH']}/v1/models",
-                           verify=ssl.create_default_context(cafile=ca), timeout=10)
+                           verify=ctx(None), timeout=10)
         assert models.status_code == 200
         for name in ("LARQL_ROUTER_PUBLISH", "LARQL_EMBED_PUBLISH", "LARQL_EDGE_PUBLISH", "LARQL_SERVE_PUBLISH"):
             assert _plain_http_refused(ports[name]), name
         # mutual TLS at the router: no client certificate, or one of another CA: refused in the handshake
         for cert in (None, (str(tmp_path / "other/stranger/tls.crt"), str(tmp_path / "other/stranger/tls.key"))):
             with pytest.raises((httpx.ConnectError, httpx.ReadError, httpx.RemoteProtocolError)):
-                httpx.get(router + "/v1/ready", verify=ssl.create_default_context(cafile=ca), cert=cert, timeout=10)
+                httpx.get(router + "/v1/ready", verify=ctx(cert), timeout=10)
 
         # Prometheus scrapes every role over https with its client certificate
         deadline = time.monotonic() + 90
