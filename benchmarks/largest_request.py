@@ -183,11 +183,13 @@ def main() -> int:
             ("POST", "/v1/completions", json.dumps({"prompt": fits, "max_tokens": 1, "temperature": 0}).encode(),
              {"content-type": "application/json"}),
         ]
+        reply = len(ids) * hidden * 4  # the largest embed reply: one per client can be in flight at once
         cases = [
             ("embed server", embed, embed_reqs,
              f"/v1/embed {len(ids)} ids (reply {len(ids) * hidden * 4 / 2**20:.1f} MB), /v1/token/encode "
              f"{len(text):,} chars, /v1/logits 1 residual (raw f32[{vx.vocab_size:,}])",
-             64 << 20, "reply buffers of one request per client"),
+             (k + 2) * reply + (16 << 20),
+             f"{k} clients x one {reply / 2**20:.0f} MB reply being sent, + the one being built and joined, + 16 MB of logits"),
             ("FFN shard", shard, ffn_reqs,
              f"/v1/walk-ffn {wide.shape[0]} rows x {n} layers and {deep.shape[0]} rows x {deep_layers} layers "
              f"(replies {fl['max_rows_x_layers'] * hidden * 4 / 2**20:.0f} MB = max_reply_bytes)",

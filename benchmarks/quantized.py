@@ -1,7 +1,12 @@
 """Quantized compute (issue #13), one run: today's float32 path against the compact kernels.
 
     python benchmarks/quantized.py [--model gemma3-270m] [--tokens 32] [--rounds 3] [--quick]
-                                   [--out benchmarks/results/quantized.txt]
+                                   [--part embed,local,grid,ffn,llama] [--out benchmarks/results/quantized.txt]
+
+``--part`` runs some of the parts only (default: all): ``embed`` (the embed servers' RSS and
+``/v1/logits`` p50), ``local`` (local decode), ``grid`` (grid decode), ``ffn`` (FFN shard throughput),
+``llama`` (llama.cpp; needs ``local``). E.g. the serving figures alone:
+``--part embed,ffn --out benchmarks/results/quantized-serving.txt``.
 
 Configurations, each measured in the same run (the machine is shared: only the ratios travel):
 - ``f32``   the f16 vindex on the numpy backend: float32 weights, the f32 lm_head copy (the baseline);
@@ -45,6 +50,8 @@ from larql_edge.tools.slicer.cache import cached_slice, cached_vindex  # noqa: E
 from larql_edge.wire import embed as ew  # noqa: E402
 from larql_edge.wire import ffn as fw  # noqa: E402
 
+ROWS = (1, 16)  # rows per FFN request (shard throughput)
+PARTS = ("embed", "local", "grid", "ffn", "llama")
 CONFIGS = {"f32": ("none", "numpy"), "q4k": ("q4k", "compact"), "gguf": ("gguf", "compact")}
 HOST = "127.0.0.1"
 BIN = fw.CONTENT_TYPE
@@ -141,7 +148,13 @@ def main() -> int:
     ap.add_argument("--lookups", type=int, default=10_000)
     ap.add_argument("--quick", action="store_true", help="fewer tokens, rounds and requests (a few minutes)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "quantized.txt"))
+    ap.add_argument("--part", default=",".join(PARTS), help="comma-separated parts to run: " + ", ".join(PARTS))
     args = ap.parse_args()
+    parts = set(args.part.split(","))
+    if not parts <= set(PARTS):
+        ap.error(f"--part: unknown {', '.join(sorted(parts - set(PARTS)))}; expected some of {', '.join(PARTS)}")
+    if "llama" in parts:
+        parts.add("local")
     if args.quick:
         args.tokens, args.rounds, args.lookups = 12, 1, 2000
     lines: list[str] = []
@@ -165,111 +178,124 @@ def main() -> int:
     env = role_env(dict(os.environ), LARQL_GRID_KEY="bench-key", PYTHONUNBUFFERED="1")
     sup = Supervisor(Path(tempfile.mkdtemp(prefix="larql-qbench-")), env)
     common = ["--host", HOST, "--blas-threads", "1"]
+    local: dict[str, list[dict]] = {k: [] for k in CONFIGS}
     try:
         # -- embed servers: memory and /v1/logits ------------------------------------------------
-        ports = pick_ports(HOST, [19682, 19683, 19684])
-        embeds = {}
-        for (k, (_, backend)), port in zip(CONFIGS.items(), ports, strict=True):
-            embeds[k] = sup.start(f"embed-{k}", ["larql-embed", str(slices[k]["embed"]), "--port", str(port), *common],
-                                  url(port), env={"LARQL_BACKEND": backend})
-        sup.wait_ready(list(embeds.values()), time.monotonic() + 900)
-        rss_start = {k: tree_rss(r.popen.pid) / 2**20 for k, r in embeds.items()}
-        c = HttpClient()
-        x = np.random.default_rng(0).standard_normal(hidden).astype(np.float32)
-        body = ew.encode_logits_request(x)
-        hdr = {"content-type": BIN, "accept": BIN}
-        n = 10 if args.quick else 40
-        logits_p50: dict[str, list[float]] = {k: [] for k in CONFIGS}
-        for _ in range(3):  # interleaved, so noise hits every configuration alike
-            for k, r in embeds.items():
-                logits_p50[k].append(median_ms(lambda r=r: c.request("POST", r.url + "/v1/logits", content=body, headers=hdr), n, warmup=3))
-        rng = np.random.default_rng(1)
-        ids = rng.integers(0, vx.vocab_size, args.lookups)
-        for r in embeds.values():
-            for i in ids:
-                resp = c.request("GET", f"{r.url}/v1/embed/{int(i)}")
-                if resp.status_code != 200:
-                    raise RuntimeError(f"embed lookup {resp.status_code}")
-        rss_after = {k: tree_rss(r.popen.pid) / 2**20 for k, r in embeds.items()}
-        stats = {k: json.loads(c.request("GET", r.url + "/v1/stats").content) for k, r in embeds.items()}
-        c.close()
-        for r in embeds.values():
-            r.stop()
-        base = min(logits_p50["f32"])
-        say("Embed server (its `embed` slice; RSS of the server and its worker, MB):")
-        say("  config  slice on disk  lm_head as                 RSS after start  after %d lookups  /v1/logits p50" % args.lookups)
-        for k in CONFIGS:
-            h = stats[k]["lm_head"]
-            p = min(logits_p50[k])
-            say(f"  {k:<6}  {folder_mb(slices[k]['embed']):9.0f} MB   {h['format'] + ', ' + h['storage']:<26} "
-                f"{rss_start[k]:9.0f}        {rss_after[k]:9.0f}        {p:7.1f} ms  {p / base:.2f}x")
-        say("")
+        if "embed" in parts:
+            ports = pick_ports(HOST, [19682, 19683, 19684])
+            embeds = {}
+            for (k, (_, backend)), port in zip(CONFIGS.items(), ports, strict=True):
+                embeds[k] = sup.start(f"embed-{k}", ["larql-embed", str(slices[k]["embed"]), "--port", str(port), *common],
+                                      url(port), env={"LARQL_BACKEND": backend})
+            sup.wait_ready(list(embeds.values()), time.monotonic() + 900)
+            rss_start = {k: tree_rss(r.popen.pid) / 2**20 for k, r in embeds.items()}
+            c = HttpClient()
+            x = np.random.default_rng(0).standard_normal(hidden).astype(np.float32)
+            body = ew.encode_logits_request(x)
+            hdr = {"content-type": BIN, "accept": BIN}
+            n = 10 if args.quick else 40
+            logits_p50: dict[str, list[float]] = {k: [] for k in CONFIGS}
+            for _ in range(3):  # interleaved, so noise hits every configuration alike
+                for k, r in embeds.items():
+                    def post(r=r):
+                        return c.request("POST", r.url + "/v1/logits", content=body, headers=hdr)
+
+                    logits_p50[k].append(median_ms(post, n, warmup=3))
+            rng = np.random.default_rng(1)
+            ids = rng.integers(0, vx.vocab_size, args.lookups)
+            for r in embeds.values():
+                for i in ids:
+                    resp = c.request("GET", f"{r.url}/v1/embed/{int(i)}")
+                    if resp.status_code != 200:
+                        raise RuntimeError(f"embed lookup {resp.status_code}")
+            rss_after = {k: tree_rss(r.popen.pid) / 2**20 for k, r in embeds.items()}
+            stats = {k: json.loads(c.request("GET", r.url + "/v1/stats").content) for k, r in embeds.items()}
+            c.close()
+            for r in embeds.values():
+                r.stop()
+            base = min(logits_p50["f32"])
+            say("Embed server (its `embed` slice; RSS of the server and its worker, MB):")
+            say("  config  slice on disk  lm_head as                 RSS after start  after %d lookups  /v1/logits p50" % args.lookups)
+            for k in CONFIGS:
+                h = stats[k]["lm_head"]
+                p = min(logits_p50[k])
+                say(f"  {k:<6}  {folder_mb(slices[k]['embed']):9.0f} MB   {h['format'] + ', ' + h['storage']:<26} "
+                    f"{rss_start[k]:9.0f}        {rss_after[k]:9.0f}        {p:7.1f} ms  {p / base:.2f}x")
+            say("")
 
         # -- local decode ------------------------------------------------------------------------
-        local: dict[str, list[dict]] = {k: [] for k in CONFIGS}
-        for _ in range(max(1, args.rounds // 2 + 1) if not args.quick else 1):
-            for k, (_, backend) in CONFIGS.items():
-                local[k].append(worker(full[k], backend, args.tokens, args.rounds))
-        base = max(r["rate"] for r in local["f32"])
-        say(f"Local decode ({args.tokens} tokens after a {len(PROMPT_IDS)}-token prompt; best of {args.rounds} rounds per process):")
-        for k in CONFIGS:
-            best = max(local[k], key=lambda r: r["rate"])
-            say(f"  {k:<6}  {best['rate']:6.1f} tok/s  {best['rate'] / base:.2f}x   RSS {best['rss_mb']:.0f} MB   "
-                f"first ids {best['ids'][:6]}")
-        say("")
+        if "local" in parts:
+            for _ in range(max(1, args.rounds // 2 + 1) if not args.quick else 1):
+                for k, (_, backend) in CONFIGS.items():
+                    local[k].append(worker(full[k], backend, args.tokens, args.rounds))
+            base = max(r["rate"] for r in local["f32"])
+            say(f"Local decode ({args.tokens} tokens after a {len(PROMPT_IDS)}-token prompt; best of {args.rounds} rounds per process):")
+            for k in CONFIGS:
+                best = max(local[k], key=lambda r: r["rate"])
+                say(f"  {k:<6}  {best['rate']:6.1f} tok/s  {best['rate'] / base:.2f}x   RSS {best['rss_mb']:.0f} MB   "
+                    f"first ids {best['ids'][:6]}")
+            say("")
 
         # -- grid decode and shard throughput ---------------------------------------------------
-        ranges = split_even(n_layers, 2)
-        grid_rates, through = {}, {}
-        for k, (_, backend) in CONFIGS.items():
-            be = {"LARQL_BACKEND": backend}
-            rp, ep, s0, s1, sa = pick_ports(HOST, [19690, 19691, 19692, 19693, 19694])
-            router = sup.start(f"router-{k}", ["larql-router", "--port", str(rp), *common], url(rp), env=be)
-            roles = [router, sup.start(f"gembed-{k}", ["larql-embed", str(slices[k]["embed"]), "--port", str(ep), *common,
-                                                       "--join", url(rp)], url(ep), env=be)]
-            for rng_, p in zip(ranges, (s0, s1), strict=True):
-                roles.append(sup.start(f"ffn-{k}-{rng_}", ["larql-ffn", str(slices[k]["ffn"]), "--layers", str(rng_),
-                                                           "--port", str(p), *common, "--join", url(rp)], url(p), env=be))
-            whole = sup.start(f"ffn-all-{k}", ["larql-ffn", str(slices[k]["ffn"]), "--port", str(sa), *common], url(sa), env=be)
-            sup.wait_ready([*roles, whole], time.monotonic() + 900)
-            deadline = time.monotonic() + 120
-            hc = HttpClient()
-            while not json.loads(hc.request("GET", router.url + "/v1/grid").content)["complete"]:
-                if time.monotonic() > deadline:
-                    raise RuntimeError("grid incomplete")
-                time.sleep(0.2)
-            hc.close()
-            grid_rates[k] = worker(slices[k]["client"], backend, args.tokens, args.rounds, ffn=router.url)
-            secs = 4.0 if args.quick else 10.0
-            through[k] = {rows: shard_throughput(whole.url, hidden, n_layers, rows, secs) for rows in (1, 16)}
-            for r in [whole, *reversed(roles)]:
-                r.stop()
-        base = grid_rates["f32"]["rate"]
-        say("Grid decode (router + embed server + 2 FFN shards + attention-only client, loopback):")
-        for k in CONFIGS:
-            r = grid_rates[k]
-            say(f"  {k:<6}  {r['rate']:6.1f} tok/s  {r['rate'] / base:.2f}x   same tokens as local: "
-                f"{r['ids'] == max(local[k], key=lambda x: x['rate'])['ids']}")
-        say("")
-        say("FFN shard throughput (all layers in one shard, 2 concurrent clients, rows per second):")
-        for k in CONFIGS:
-            t = through[k]
-            say(f"  {k:<6}  1 row {t[1]:8.0f}  ({t[1] / through['f32'][1]:.2f}x)    16 rows {t[16]:8.0f}  "
-                f"({t[16] / through['f32'][16]:.2f}x)")
-        say("")
+        if "grid" in parts or "ffn" in parts:
+            ranges = split_even(n_layers, 2)
+            grid_rates, through = {}, {}
+            for k, (_, backend) in CONFIGS.items():
+                be = {"LARQL_BACKEND": backend}
+                rp, ep, s0, s1, sa = pick_ports(HOST, [19690, 19691, 19692, 19693, 19694])
+                roles = []
+                if "grid" in parts:
+                    router = sup.start(f"router-{k}", ["larql-router", "--port", str(rp), *common], url(rp), env=be)
+                    roles = [router, sup.start(f"gembed-{k}", ["larql-embed", str(slices[k]["embed"]), "--port", str(ep),
+                                                               *common, "--join", url(rp)], url(ep), env=be)]
+                    for rng_, p in zip(ranges, (s0, s1), strict=True):
+                        roles.append(sup.start(f"ffn-{k}-{rng_}", ["larql-ffn", str(slices[k]["ffn"]), "--layers", str(rng_),
+                                                                   "--port", str(p), *common, "--join", url(rp)], url(p), env=be))
+                whole = sup.start(f"ffn-all-{k}", ["larql-ffn", str(slices[k]["ffn"]), "--port", str(sa), *common], url(sa), env=be)
+                sup.wait_ready([*roles, whole], time.monotonic() + 900)
+                if "grid" in parts:
+                    deadline = time.monotonic() + 120
+                    hc = HttpClient()
+                    while not json.loads(hc.request("GET", router.url + "/v1/grid").content)["complete"]:
+                        if time.monotonic() > deadline:
+                            raise RuntimeError("grid incomplete")
+                        time.sleep(0.2)
+                    hc.close()
+                    grid_rates[k] = worker(slices[k]["client"], backend, args.tokens, args.rounds, ffn=router.url)
+                if "ffn" in parts:
+                    secs = 4.0 if args.quick else 10.0
+                    through[k] = {rows: shard_throughput(whole.url, hidden, n_layers, rows, secs) for rows in ROWS}
+                for r in [whole, *reversed(roles)]:
+                    r.stop()
+            if "grid" in parts:
+                base = grid_rates["f32"]["rate"]
+                say("Grid decode (router + embed server + 2 FFN shards + attention-only client, loopback):")
+                for k in CONFIGS:
+                    r = grid_rates[k]
+                    same = r["ids"] == max(local[k], key=lambda x: x["rate"])["ids"] if local.get(k) else "not measured"
+                    say(f"  {k:<6}  {r['rate']:6.1f} tok/s  {r['rate'] / base:.2f}x   same tokens as local: {same}")
+                say("")
+            if "ffn" in parts:
+                say("FFN shard throughput (all layers in one shard, 2 concurrent clients, rows per second):")
+                for k in CONFIGS:
+                    t = through[k]
+                    say(f"  {k:<6}  " + "    ".join(f"{n} row{'s' if n > 1 else ''} {t[n]:8.0f}  ({t[n] / through['f32'][n]:.2f}x)"
+                                                    for n in ROWS))
+                say("")
 
         # -- llama.cpp on the same GGUF ------------------------------------------------------------
-        from larql_edge.tools.slicer.extract._source import _package_gguf
+        if "llama" in parts:
+            from larql_edge.tools.slicer.extract._source import _package_gguf
 
-        lc = llama_cpp_rates(_package_gguf(args.model), args.tokens, PROMPT_IDS)
-        if lc is None:
-            say("llama.cpp: llama_cpp (llama-cpp-python) is not installed; not measured")
-        else:
-            best_ours = max(r["rate"] for r in local["gguf"])
-            for th, (rate, toks) in sorted(lc.items()):
-                say(f"llama.cpp, {th} thread(s): {rate:6.1f} tok/s; larql-edge gguf local is {best_ours / rate:.2f}x of it; "
-                    f"same tokens: {toks == max(local['gguf'], key=lambda x: x['rate'])['ids']}")
-        say("")
+            lc = llama_cpp_rates(_package_gguf(args.model), args.tokens, PROMPT_IDS)
+            if lc is None:
+                say("llama.cpp: llama_cpp (llama-cpp-python) is not installed; not measured")
+            else:
+                best_ours = max(r["rate"] for r in local["gguf"])
+                for th, (rate, toks) in sorted(lc.items()):
+                    say(f"llama.cpp, {th} thread(s): {rate:6.1f} tok/s; larql-edge gguf local is {best_ours / rate:.2f}x of it; "
+                        f"same tokens: {toks == max(local['gguf'], key=lambda x: x['rate'])['ids']}")
+            say("")
         say(f"load average at end {os.getloadavg()[0]:.1f}")
     finally:
         sup.stop_all()

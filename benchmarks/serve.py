@@ -5,6 +5,13 @@ and the FFN requests per step (the number of layers, whatever the concurrency: c
     python benchmarks/serve.py [--model gemma3-270m] [--tokens 32] [--streams 1,4,16,32] [--rounds 3] [--out benchmarks/results/serve.txt]
     python benchmarks/serve.py --part prompt-cache [--out benchmarks/results/serve_prompt_cache.txt]
     python benchmarks/serve.py --structured [--streams 1,8]   # structured output's cost per token
+    python benchmarks/serve.py --baseline /work/wt/_base [--streams 1,16]   # this tree against another checkout
+
+--baseline DIR: two grids side by side, every role of one run from DIR (PYTHONPATH), the other's from this
+tree; rounds alternate between them level by level (the same neighbours' load for both), and the table gives
+each level for both with the ratio this / baseline, and the per-step breakdown: lm_head (the embed server's
+product + top-k), FFN (the shards' compute), attention (larql-serve's own layers), hops and the rest (the
+step's wall time minus those: network, parsing, queueing, the scheduler).
 
 --part prompt-cache: the time to first token of the 5th turn of a multi-turn conversation (each turn re-sends
 the whole history, as a chat client does) on a larql-serve with its prefix cache and on one without
@@ -173,6 +180,96 @@ def ffn_requests(shard_urls: list[str]) -> int:
     return sum(int(httpx.get(u + "/v1/stats", timeout=10).json()["requests"]) for u in shard_urls)
 
 
+def start_grid(sup, tag: str, tree: str, paths, ranges, host: str, ports: list[int], max_active: int, model: str):
+    """Router, embed server, two FFN shards and larql-serve with every role importing from ``tree``."""
+    rp, ep, sv, *sp = ports
+    env = {"PYTHONPATH": tree}
+    url = lambda p: f"http://{host}:{p}"  # noqa: E731
+    common = ["--host", host, "--blas-threads", "1"]
+    router = sup.start(f"router-{tag}", ["larql-router", "--port", str(rp), *common], url(rp), env=env)
+    embed = sup.start(f"embed-{tag}", ["larql-embed", str(paths["embed"]), "--port", str(ep), *common, "--join", url(rp)],
+                      url(ep), env=env)
+    shards = [sup.start(f"ffn-{tag}-{r}", ["larql-ffn", str(paths["ffn"]), "--layers", str(r), "--port", str(p), *common,
+                                           "--join", url(rp)], url(p), env=env) for r, p in zip(ranges, sp, strict=True)]
+    return {"router": router, "embed": embed, "shards": shards, "serve_argv": (
+        ["larql-serve", str(paths["client"]), "--ffn", router.url, "--port", str(sv), *common, "--max-active",
+         str(max_active), "--max-queue", "0", "--context", "512", "--served-model-name", model], url(sv), env)}
+
+
+def measured_round(g: dict, model: str, n: int, tokens: int) -> dict:
+    """One round of ``n`` streams on grid ``g``, with the per-step breakdown from the roles' metrics (ms)."""
+    serve, embed, shards = g["serve"], g["embed"], g["shards"]
+
+    def snap() -> dict:
+        return {"steps": httpx.get(serve.url + "/v1/stats").json()["scheduler"]["steps"],
+                "head": metric_sum(embed.url, "larql_embed_logits_batch_duration_seconds"),
+                "ffn": sum(metric_sum(s.url, "larql_ffn_layer_duration_seconds") for s in shards),
+                "attention": metric_sum(serve.url, "larql_serve_local_seconds"),
+                "hops": metric_sum(serve.url, "larql_serve_hop_network_seconds")}
+
+    a = snap()
+    r = asyncio.run(round_of(serve.url, model, n, tokens))
+    b = snap()
+    steps = max(1, b["steps"] - a["steps"])
+    for k in ("head", "ffn", "attention", "hops"):
+        r[k + "_ms"] = (b[k] - a[k]) / steps * 1e3
+    r["step_ms"] = r["wall"] / steps * 1e3
+    r["rest_ms"] = r["step_ms"] - r["head_ms"] - r["ffn_ms"] - r["attention_ms"]
+    return r
+
+
+def compare_part(args, paths, levels: list[int], n_layers: int, say) -> None:
+    ranges = split_even(n_layers, 2)
+    host = "127.0.0.1"
+    ports = pick_ports(host, [19690, 19682, 19600, 19680, 19681, 19790, 19782, 19700, 19780, 19781])
+    env = role_env(dict(os.environ), LARQL_GRID_KEY="bench-key", PYTHONUNBUFFERED="1")
+    sup = Supervisor(Path(tempfile.mkdtemp(prefix="larql-bench-serve-")), env)
+    here = str(ROOT)
+    trees = {"baseline": str(Path(args.baseline).resolve()), "this": here}
+    try:
+        grids = {tag: start_grid(sup, tag, tree, paths, ranges, host, ports[5 * i: 5 * i + 5], max(levels), args.model)
+                 for i, (tag, tree) in enumerate(trees.items())}
+        sup.wait_ready(sup.roles, time.monotonic() + 900)
+        for g in grids.values():
+            while not (st := httpx.get(g["router"].url + "/v1/grid").json())["complete"] or not st["embed"]:
+                time.sleep(0.2)
+            argv, u, env_ = g["serve_argv"]
+            g["serve"] = sup.start(f"serve-{len(sup.roles)}", argv, u, env=env_)
+        sup.wait_ready([g["serve"] for g in grids.values()], time.monotonic() + 600)
+        for g in grids.values():
+            asyncio.run(round_of(g["serve"].url, args.model, 2, 4))  # warm-up
+        say(f"larql-serve, this tree ({here}) against the baseline ({trees['baseline']}): {args.model}, {n_layers} layers, "
+            f"FFN on 2 shards, {args.tokens} greedy tokens per stream, {os.cpu_count()} CPUs, 1 BLAS thread per process; "
+            f"two grids side by side, rounds alternating; load average before: {os.getloadavg()[0]:.2f}")
+        say("")
+        runs: dict[tuple[str, int], list[dict]] = {(t, n): [] for t in grids for n in levels}
+        for _ in range(args.rounds):
+            for n in levels:
+                for tag, g in grids.items():
+                    runs[(tag, n)].append(measured_round(g, args.model, n, args.tokens))
+        say(f"{'streams':>7} {'tree':>8} {'agg tok/s':>10} {'decode tok/s':>12} {'ITL p50':>8} {'step ms':>8} {'lm_head':>8} "
+            f"{'FFN':>7} {'attn':>7} {'hops':>7} {'rest':>7}   (ms per step)")
+        keys = ("agg_tps", "decode_tps", "itl_p50", "step_ms", "head_ms", "ffn_ms", "attention_ms", "hops_ms", "rest_ms")
+        for n in levels:
+            med = {t: {k: statistics.median(r[k] for r in runs[(t, n)]) for k in keys} for t in grids}
+            for t in grids:
+                r = med[t]
+                say(f"{n:>7} {t:>8} {r['agg_tps']:>10.1f} {r['decode_tps']:>12.1f} {r['itl_p50'] * 1e3:>6.0f}ms "
+                    f"{r['step_ms']:>8.1f} {r['head_ms']:>8.1f} {r['ffn_ms']:>7.1f} {r['attention_ms']:>7.1f} "
+                    f"{r['hops_ms']:>7.1f} {r['rest_ms']:>7.1f}")
+            per_round = [a["agg_tps"] / b["agg_tps"] for a, b in zip(runs[("this", n)], runs[("baseline", n)], strict=True)]
+            say(f"{n:>7}    ratio  agg {med['this']['agg_tps'] / med['baseline']['agg_tps']:.2f}x  decode "
+                f"{med['this']['decode_tps'] / med['baseline']['decode_tps']:.2f}x  (agg per round: "
+                + ", ".join(f"{x:.2f}" for x in per_round) + ")")
+        say(f"(medians of {args.rounds} rounds per level and tree; load average after: {os.getloadavg()[0]:.2f})")
+        say("lm_head: the embed server's logits_batch_duration per step; FFN: the shards' layer_duration per step; attn:")
+        say("larql-serve's local_seconds (its layers' norms, projections, attention) per step; hops: its hop_network_seconds")
+        say("per step (network and queueing of the FFN/embed/logits hops, overlapping nothing: steps are sequential); rest:")
+        say("step ms - lm_head - FFN - attn (the hops, parsing and the scheduler).")
+    finally:
+        sup.stop_all()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="gemma3-270m")
@@ -184,6 +281,8 @@ def main() -> int:
                     help="default: benchmarks/results/serve.txt (serve_structured.txt, serve_prompt_cache.txt)")
     ap.add_argument("--structured", action="store_true",
                     help="structured output's cost: tok/s with and without a JSON schema (default streams 1,8)")
+    ap.add_argument("--baseline", default=None,
+                    help="a checkout to compare with (e.g. /work/wt/_base): two grids, rounds alternating, ratios")
     ap.add_argument("--part", choices=["streams", "prompt-cache"], default="streams",
                     help="prompt-cache: the 5th turn's TTFT with the prefix cache on vs off")
     args = ap.parse_args()
@@ -195,6 +294,21 @@ def main() -> int:
     levels = [int(x) for x in args.streams.split(",")]
     paths = role_vindexes(args.model, args.vindex, log=lambda m: None)
     n_layers = Vindex.open(paths["ffn"]).num_layers
+    if args.baseline:
+        out: list[str] = []
+
+        def say_(s: str = "") -> None:
+            print(s, flush=True)
+            out.append(s)
+
+        if args.out.endswith("serve.txt"):
+            args.out = str(ROOT / "benchmarks" / "results" / "serve-vs-baseline.txt")
+        try:
+            compare_part(args, paths, levels, n_layers, say_)
+        finally:
+            Path(args.out).write_text("\n".join(out) + "\n")
+            print(f"written to {args.out}")
+        return 0
     ranges = split_even(n_layers, 2)
     host = "127.0.0.1"
     rp, ep, sv, sv2, *sp = pick_ports(host, [19690, 19682, 19600, 19601, 19680, 19681])

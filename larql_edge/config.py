@@ -205,6 +205,17 @@ def backend_name() -> str:
     return wanted
 
 
+def graph_mode() -> str:
+    """``LARQL_GRAPH``: ``auto`` (default: a local model on compact weights runs each step as one ggml
+    graph), ``on`` (also on float32 weights) or ``off`` (layer by layer, product by product)."""
+    wanted = os.environ.get("LARQL_GRAPH", "").strip().lower() or "auto"
+    aliases = {"1": "on", "true": "on", "yes": "on", "0": "off", "false": "off", "no": "off"}
+    wanted = aliases.get(wanted, wanted)
+    if wanted not in ("auto", "on", "off"):
+        raise ValueError(f"LARQL_GRAPH={wanted!r}: expected auto, on or off")
+    return wanted
+
+
 def kernel_threads() -> int | None:
     """``LARQL_KERNEL_THREADS``: threads one compact-weight product may use (None: every CPU allowed)."""
     env = os.environ.get("LARQL_KERNEL_THREADS", "").strip()

@@ -249,6 +249,20 @@ class MemberSilent(TimedOut):
     kind = "member_silent"
 
 
+class Stalled(TimedOut):
+    """No reply within the bound learned from recent hops of the same size (far beyond any of them):
+    a frozen replica (SIGSTOP, a paused VM). The client gives up on it and fails over."""
+
+    kind = "stalled"
+
+
+class Superseded(TransportError):
+    """The other request of a hedged hop answered first: this one was abandoned (not a failure of
+    its server)."""
+
+    kind = "superseded"
+
+
 class ConnectionLost(TransportError):
     kind = "connection_lost"
 

@@ -16,6 +16,8 @@ Two settings are ours, and both are about statuses, never about which checks run
   between a parameter and the content type that OpenAPI cannot state.
 
 Link inference is off (the stateful phase then runs the links a document declares: none yet).
+Each request's timeout is 10 s unless the caller derives a longer one from a baseline it measured (a
+server whose largest legal request takes longer than that on a loaded host is slow, not failing).
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ class Report:
         return "\n".join(lines)
 
 
-def config(url: str, max_examples: int, seed: int) -> SchemathesisConfig:
+def config(url: str, max_examples: int, seed: int, request_timeout: float = 10.0) -> SchemathesisConfig:
     cfg = SchemathesisConfig.from_dict({
         "checks": {"negative_data_rejection": {"expected-statuses": [*REJECTIONS, "413"]}},
         "phases": {"stateful": {"inference": {"algorithms": []}}},
@@ -61,14 +63,14 @@ def config(url: str, max_examples: int, seed: int) -> SchemathesisConfig:
     cfg.output.sanitization.update(enabled=False)  # show token_ids and other "secret-looking" names
     # As `st run` does with its options: an override of every project's (and phase's) settings.
     override = cfg.projects.override
-    override.update(base_url=url, request_timeout=10)
+    override.update(base_url=url, request_timeout=request_timeout)
     override.checks.update(included_check_names=["all"])
     override.generation.update(max_examples=max_examples, database="none", no_shrink=True)
     return cfg
 
 
-def run(document: dict, url: str, *, max_examples: int = 5, seed: int = 1) -> Report:
-    schema = schemathesis.openapi.from_dict(document, config=config(url, max_examples, seed))
+def run(document: dict, url: str, *, max_examples: int = 5, seed: int = 1, request_timeout: float = 10.0) -> Report:
+    schema = schemathesis.openapi.from_dict(document, config=config(url, max_examples, seed, request_timeout))
     schema.config.update(base_url=url)
     report, t0 = Report(), time.monotonic()
     started: dict[str, float] = {}

@@ -12,7 +12,7 @@ import pytest
 from larql_edge.format.vindex import Vindex
 from larql_edge.model.forward import Transformer
 from larql_edge.net.h1 import Reply
-from larql_edge.net.hops import Hedger, HopLog, server_seconds
+from larql_edge.net.hops import Hedger, HopLog, HopTimes, StallWaiter, server_seconds
 from larql_edge.roles.client._build import build_remote
 from larql_edge.wire.grid import TOPOLOGY, Topology
 from tests import _inproc as inproc
@@ -146,88 +146,158 @@ def test_server_timing_on_every_server(grid):
         assert secs is not None and 0 <= secs < 5, r.headers.get("server-timing")
 
 
+class _Sends:
+    """A fake ``send(url, waiter)`` for the Hedger: each request is a socket pair whose far end answers
+    after ``delay[url]`` seconds (never, for a frozen one); the send waits on it through the waiter
+    exactly as `HttpClient.request` does, so a hedge or a stall can abandon it."""
+
+    def __init__(self, delay: dict[str, float | None] | None = None):
+        import threading
+
+        self.delay = dict(delay or {})
+        self.calls: list[tuple[str, str]] = []  # (url, thread name)
+        self._lock = threading.Lock()
+
+    def __call__(self, url: str, waiter) -> str:
+        import socket
+        import threading
+        import time
+
+        with self._lock:
+            self.calls.append((url, threading.current_thread().name))
+        a, b = socket.socketpair()
+        d = self.delay.get(url, 0.0)
+        timer = threading.Timer(d, lambda: b.send(b"x")) if d is not None else None
+        if timer is not None:
+            timer.start()
+        try:
+            deadline = time.monotonic() + 30
+            waiter.wait(a, deadline)
+            a.settimeout(max(1e-3, deadline - time.monotonic()))
+            a.recv(1)
+            return url
+        finally:
+            if timer is not None:
+                timer.cancel()
+            a.close()
+            b.close()
+
+
 def test_hedging_sends_the_second_request_only_past_the_threshold_and_within_budget():
     import threading
-    import time
 
-    slow = {"a": 0.0}
-    calls: list[str] = []
-    lock = threading.Lock()
-
-    def send(url: str) -> str:
-        with lock:
-            calls.append(url)
-        time.sleep(slow.get(url, 0.0) + 0.001)
-        return url
-
+    send = _Sends()
     h = Hedger(lambda: None, budget_per_s=1000.0)
-    for _ in range(Hedger.MIN_SAMPLES):
+    for _ in range(HopTimes.MIN_SAMPLES):
         assert h.run(1, "a", "b", send) == ("a", "a", False)  # no threshold yet: never a hedge
-    assert h.sent == 0 and h.threshold(1) is not None and calls == ["a"] * Hedger.MIN_SAMPLES
-    slow["a"] = 0.2
+    assert h.sent == 0 and h.threshold(1) is not None and [u for u, _ in send.calls] == ["a"] * HopTimes.MIN_SAMPLES
+    # The primary request went out on the caller's own thread: no hand-off on the hot path.
+    assert {t for _, t in send.calls} == {threading.current_thread().name}
+    send.delay["a"] = 0.3
     url, value, hedged = h.run(1, "a", "b", send)
     assert (url, value, hedged) == ("b", "b", True) and h.sent == 1 and h.won == 1
+    assert send.calls[-1][0] == "b" and send.calls[-1][1].startswith("larql-hedge")  # only the hedge on the pool
     # A hop of another size has its own threshold: none learned yet.
     assert h.threshold(64) is None
     h.close()
 
 
-def test_the_hedge_budget_bounds_hedges_per_second():
+def test_the_primary_wins_a_race_and_its_hedge_is_abandoned_at_once():
+    """The hedge's request to a frozen replica is given up as soon as the primary answers: it holds
+    no pool thread for the request timeout."""
     import time
 
-    h = Hedger(lambda: None, budget_per_s=2.0)
-    for _ in range(Hedger.MIN_SAMPLES):
+    send = _Sends({"frozen": None})
+    h = Hedger(lambda: None, budget_per_s=1000.0)
+    for _ in range(HopTimes.MIN_SAMPLES):
         h.observe(1, 0.001)
+    send.delay["a"] = 0.2  # past the threshold: hedged to the frozen one, and the primary still wins
+    late: list[tuple[str, float]] = []
+    assert h.run(1, "a", "frozen", send, on_late=lambda u, s: late.append((u, s))) == ("a", "a", True)
+    deadline = time.monotonic() + 5
+    while h._busy and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert h._busy == 0 and h.sent == 1 and h.won == 0 and late and late[0][0] == "frozen"
+    h.close()
 
-    def send(url: str) -> str:
-        time.sleep(0.02 if url == "a" else 0.0)
-        return url
 
+def test_the_hedge_budget_bounds_hedges_per_second():
+    send = _Sends({"a": 0.02})
+    h = Hedger(lambda: None, budget_per_s=2.0)
+    for _ in range(HopTimes.MIN_SAMPLES):
+        h.observe(1, 0.001)
     got = [h.run(1, "a", "b", send) for _ in range(10)]
     assert h.sent <= 3 and sum(g[2] for g in got if g) == h.sent
     h.close()
 
 
-def test_a_stalled_hop_is_hedged_before_the_threshold_is_learned_and_its_replica_reported_slow_at_once():
+def test_a_stalled_primary_is_given_up_at_the_stall_bound_and_its_replica_reported_slow_at_once():
     """Issue #19: a frozen replica (SIGSTOP) held a hop for the whole request timeout when fewer than
-    MIN_SAMPLES hops had been seen or the budget was spent. A hop past the stall bound (learned from
-    the hops of its size) is hedged anyway, and the loser is reported slow before it ends."""
-    import threading
+    MIN_SAMPLES hops had been seen or the budget was spent. A request past the stall bound (learned
+    from the hops of its size) is given up and reported slow at once; the caller fails over."""
     import time
 
-    thaw = threading.Event()
+    send = _Sends({"frozen": None})
     late: list[tuple[str, float]] = []
-
-    def send(url: str) -> str:
-        if url == "frozen":
-            thaw.wait(30)
-        return url
-
-    h = Hedger(lambda: None, budget_per_s=0.0)  # no budget: only a stall is hedged
+    h = Hedger(lambda: None, budget_per_s=0.0)  # no budget: never a hedge, only the stall bound
     assert h.stall_bound(1) is None
     assert h.run(1, "live", "frozen", send) == ("live", "live", False)  # nothing learned yet: no bound
     bound = h.stall_bound(1)
-    assert bound is not None and bound >= Hedger.STALL_FLOOR_S and h.threshold(1) is None
+    assert bound is not None and bound >= HopTimes.STALL_FLOOR_S and h.threshold(1) is None
     t0 = time.perf_counter()
+    got = h.run(1, "frozen", "live", send, on_late=lambda u, s: late.append((u, s)))
+    waited = time.perf_counter() - t0
+    assert got is None and h.stalls == 1 and h.sent == 0  # the caller's failover takes the hop
+    assert bound <= waited < bound + 5, (waited, bound)  # the stall bound, not the 30 s "timeout"
+    assert late and late[0][0] == "frozen" and late[0][1] >= bound
+    h.close()
+
+
+def test_a_stalled_primary_that_was_hedged_leaves_the_hop_to_its_hedge():
+    import time
+
+    send = _Sends({"frozen": None, "b": 0.0})
+    h = Hedger(lambda: None, budget_per_s=1000.0)
+    for _ in range(HopTimes.MIN_SAMPLES):
+        h.observe(1, 0.001)
+    t0 = time.perf_counter()
+    assert h.run(1, "frozen", "b", send) == ("b", "b", True)
+    assert time.perf_counter() - t0 < HopTimes.STALL_FLOOR_S  # the hedge answered long before the bound
+    h.close()
+
+
+def test_an_unhedged_request_gives_up_at_the_stall_bound():
+    """``--no-hedge`` (or one replica): the same bound on the one request (`StallWaiter`)."""
+    import socket
+    import time
+
+    from larql_edge.net.h1 import Stalled
+
+    a, b = socket.socketpair()
+    stalled: list[float] = []
+    w = StallWaiter(0.3, stalled.append)
+    t0 = time.monotonic()
     try:
-        got = h.run(1, "frozen", "live", send, on_late=lambda u, s: late.append((u, s)))
-        waited = time.perf_counter() - t0
-        assert got == ("live", "live", True) and h.sent == 1 and h.won == 1
-        assert bound <= waited < bound + 5, (waited, bound)  # the stall bound, not the 30 s "timeout"
-        assert late and late[0][0] == "frozen" and late[0][1] >= bound  # reported before it ends
+        with pytest.raises(Stalled):
+            w.wait(a, t0 + 30)
+        assert 0.3 <= time.monotonic() - t0 < 3 and stalled and stalled[0] >= 0.3
+        b.send(b"x")
+        StallWaiter(5.0).wait(a, time.monotonic() + 30)  # readable: returns at once
     finally:
-        thaw.set()
-        h.close()
+        a.close()
+        b.close()
 
 
 def test_hedging_steps_aside_while_stalled_requests_hold_its_threads():
     import threading
 
     thaw = threading.Event()
-    h = Hedger(lambda: None, threads=4)
-    stuck = [h._submit(lambda _u: thaw.wait(30), "frozen") for _ in range(3)]
-    try:
-        assert h.run(1, "a", "b", lambda u: u) is None  # the caller's own failover carries the hop
+    h = Hedger(lambda: None, threads=4, budget_per_s=1000.0)
+    for _ in range(HopTimes.MIN_SAMPLES):
+        h.observe(1, 0.001)
+    stuck = [h._submit(lambda: thaw.wait(30)) for _ in range(4)]
+    try:  # no room for a hedge: the primary carries the hop alone
+        assert h.run(1, "a", "b", _Sends({"a": 0.05})) == ("a", "a", False) and h.sent == 0
     finally:
         thaw.set()
         for f in stuck:

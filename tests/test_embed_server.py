@@ -321,6 +321,52 @@ def test_logits_rows_with_token_masks(srv, ref):
     assert "binary" in _err(srv.client.post("/v1/gemma/logits?masked=0", json={"residuals": xs.tolist()}), 400)
 
 
+def test_logits_rows_with_extra_ids(srv, ref):
+    """``?rows=N&extra=i,j`` ends the body with a token-id list per listed row; the answer's "extra" gives
+    those ids' log-probabilities and logits whatever their rank (masked-out ids left out), and every
+    other byte of the answer is what the request without them gets."""
+    from larql_edge.wire import embed as ew
+
+    vocab = ref["gemma"]["spec"].vocab_size
+    xs = np.stack([_residual(300 + i) for i in range(3)])
+    want = ref["gemma"]["head"].logits(xs)
+    last = [int(np.argsort(want[r])[0]) for r in range(3)]  # each row's least likely token
+    lists = [[last[0], 5], [last[2], int(np.argmax(want[2]))]]
+    body = ew.encode_logits_rows_request(xs) + ew.encode_extra_ids(lists)
+    r = srv.client.post("/v1/gemma/logits?rows=3&top_k=4&extra=0,2", content=body, headers={"content-type": BIN})
+    assert r.status_code == 200, r.text
+    got = r.json()
+    plain = srv.client.post("/v1/gemma/logits?rows=3&top_k=4", content=ew.encode_logits_rows_request(xs),
+                            headers={"content-type": BIN}).json()
+    assert got["rows"] == plain["rows"] and "extra" not in plain
+    assert [[t["token_id"] for t in e] for e in got["extra"]] == [lists[0], [], lists[1]]
+    for e, row in zip(got["extra"], want, strict=True):
+        lp = ops.log_softmax(row.astype(np.float64))
+        for t in e:
+            assert abs(t["logprob"] - lp[t["token_id"]]) < 1e-4 and abs(t["logit"] - row[t["token_id"]]) < 1e-4
+    # with a mask: a disallowed id is left out
+    bits = np.zeros((1, ew.mask_words(vocab)), dtype=np.uint32)
+    bits[0, 0] = 0b111000  # tokens 3, 4, 5
+    both = ew.encode_logits_masked_rows_request(xs, bits) + ew.encode_extra_ids([[5, 7]])
+    m = srv.client.post("/v1/gemma/logits?rows=3&top_k=2&masked=1&extra=1", content=both, headers={"content-type": BIN})
+    assert m.status_code == 200, m.text
+    assert [t["token_id"] for t in m.json()["extra"][1]] == [5]
+    # every mistake is a 400 naming it
+    too_many = ew.encode_logits_rows_request(xs) + np.uint32(ew.MAX_EXTRA_IDS + 1).tobytes()  # refused on the count
+    cases = [("rows=3&extra=0,2", body[:-4], "extra"),
+             ("rows=3&extra=0,2", body + b"\0\0\0\0", "after"),
+             ("rows=3&extra=0", too_many, "at most"),
+             ("rows=3&extra=0", ew.encode_logits_rows_request(xs) + ew.encode_extra_ids([[vocab]]), "vocabulary"),
+             ("rows=3&extra=2,0", body, "ascending"),
+             ("rows=3&extra=3", body, "extra"),
+             ("extra=0", xs[0].tobytes(), "rows=N")]
+    for query, content, words in cases:
+        assert words in _err(srv.client.post(f"/v1/gemma/logits?{query}", content=content, headers={"content-type": BIN}), 400)
+    raw = srv.client.post("/v1/gemma/logits?rows=3&extra=0,2", content=body, headers={"content-type": BIN, "accept": BIN})
+    assert "raw logits" in _err(raw, 400)
+    assert "binary" in _err(srv.client.post("/v1/gemma/logits?extra=0", json={"residuals": xs.tolist()}), 400)
+
+
 # -- tokenizer ---------------------------------------------------------------------------------------
 
 

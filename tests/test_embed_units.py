@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import struct
 import threading
 from types import SimpleNamespace
@@ -148,6 +149,61 @@ def test_batcher_stacks_concurrent_requests():
         np.testing.assert_allclose(y, w @ x, rtol=1e-5, atol=1e-5)
     assert sum(calls) == 20 and max(calls) == 8 and len(calls) == 3  # 8 + 8 + 4
     assert seen == calls and stats["rows"] == 20 and stats["largest_batch"] == 8
+
+
+def test_batcher_without_wait_starts_at_once_and_stacks_what_arrives_meanwhile():
+    """The default (--batch-wait-ms 0): a lone request is computed at once (no wait for company);
+    requests arriving while a product runs form the next product together."""
+    gate = threading.Event()
+    calls = []
+
+    def compute(x):
+        calls.append(x.shape[0])
+        if len(calls) == 1:
+            gate.wait(5)  # the first product runs until every other request has queued
+        return x * 2
+
+    async def go():
+        ex = Compute(1)
+        b = LogitsBatcher(compute, ex, max_batch=64)  # max_wait defaults to 0
+        first = asyncio.ensure_future(b.submit(np.ones(2, np.float32), lambda r: r.copy()))
+        for _ in range(100):
+            if calls:
+                break
+            await asyncio.sleep(0.01)
+        assert calls == [1]  # started alone, without waiting for company
+        rest = [asyncio.ensure_future(b.submit(np.full(2, i, np.float32), lambda r: r.copy())) for i in range(5)]
+        await asyncio.sleep(0.05)
+        gate.set()
+        outs = await asyncio.gather(first, *rest)
+        ex.shutdown()
+        return outs
+
+    outs = asyncio.run(go())
+    assert calls == [1, 5]  # the five that came during the first product: one product
+    np.testing.assert_array_equal(outs[3], np.full(2, 4, np.float32))
+
+
+def test_blas_threads_cap_the_kernel_threads(monkeypatch):
+    """--blas-threads N caps the compact kernels too (one pool), unless LARQL_KERNEL_THREADS says otherwise."""
+    from larql_edge.config import BLAS_ENV
+    from larql_edge.model.kernels import get_threads, set_threads
+    from larql_edge.service.serving import pin_blas
+
+    before = get_threads()
+    for var in (*BLAS_ENV, "LARQL_KERNEL_THREADS"):
+        monkeypatch.setenv(var, "x")  # restored by monkeypatch whatever pin_blas writes
+        monkeypatch.delenv(var)
+    try:
+        set_threads(2)
+        pin_blas(1)
+        assert get_threads() == 1 and os.environ["LARQL_KERNEL_THREADS"] == "1"
+        monkeypatch.setenv("LARQL_KERNEL_THREADS", "2")
+        set_threads(2)
+        pin_blas(1)
+        assert get_threads() == 2  # the explicit kernel count wins
+    finally:
+        set_threads(before)
 
 
 def test_batcher_isolates_a_failing_post():

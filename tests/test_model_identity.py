@@ -149,3 +149,69 @@ def test_verify_weights_refuses_a_damaged_vindex_at_start_and_reports_the_time(t
 
     assert embed_main([str(damaged), "--verify-weights", "on"]) != 0
     assert "down_weights.bin: corrupt" in capsys.readouterr().err
+
+
+def _q8_embed(vx, cache) -> "inproc.ServerThread":
+    from larql_edge.roles.embed.app import create_app
+    from larql_edge.roles.embed.config import EmbedConfig, ModelSource
+    from larql_edge.testing.servers import ServerThread
+    from larql_edge.tools.grid.supervisor import free_port
+
+    port = free_port()
+    cfg = EmbedConfig(models=(ModelSource(id="gemma3", path=str(vx)),), port=port, lm_head_cache=str(cache),
+                      lm_head_format="q8_0")
+    return ServerThread(create_app(cfg), port=port)
+
+
+def _damage_q8_block(path, token: int, hidden: int = H) -> None:
+    """The f16 scale of ``token``'s first Q8_0 block (2 bytes of scale + 32 int8 per block) set to NaN."""
+    row_bytes = hidden // 32 * 34
+    with open(path, "r+b") as f:
+        f.seek(token * row_bytes)
+        f.write(np.array([np.nan], np.float16).tobytes())
+
+
+def test_the_embed_server_never_answers_non_finite_logits(tiny_models, tmp_path):
+    """Issue 19: the embedding rows were checked, the logits were not: a damaged lm_head block (a
+    quantized block's scale) went out as a 200 with NaN logits (or a NaN-ranked top k), which a sampler
+    turns into a wrong token or blames on the caller. Now it is the member's 503 (the router fails over to
+    another embed member and cools this one down), damaged while serving or before it started."""
+    from larql_edge.wire import embed as ew
+
+    x = np.random.default_rng(3).standard_normal(H).astype(np.float32)
+    with _q8_embed(tiny_models["gemma3"], tmp_path / "cache") as good:  # builds the shared Q8_0 copy
+        inproc.wait_ready(good)
+        lm_head = httpx.get(good.url + "/v1/stats").json()["lm_head"]
+        assert lm_head["format"] == "q8_0" and lm_head["storage"] == "mmap (shared copy)", lm_head
+        assert httpx.post(good.url + "/v1/logits", json={"residual": x.tolist()}).status_code == 200
+    damaged_copy = tmp_path / "damaged"
+    shutil.copytree(tmp_path / "cache", damaged_copy)
+    _damage_q8_block(lm_head["path"].replace(str(tmp_path / "cache"), str(damaged_copy)), token=3)
+    # 1. damaged before the start: said at the warm-up; the embedding rows still serve, the logits are 503s
+    with _q8_embed(tiny_models["gemma3"], damaged_copy) as e:
+        inproc.wait_ready(e)
+        r = httpx.post(e.url + "/v1/logits", json={"residual": x.tolist()})
+        assert r.status_code == 503 and "non-finite logits" in r.json()["error"], r.text
+        assert httpx.get(e.url + "/v1/embed/3").status_code == 200
+    # 2. damaged while serving (the copy is memory-mapped: the file changing under it); through a router
+    #    with a good second embed member every answer is the good one's, and only the damaged one failed
+    with _q8_embed(tiny_models["gemma3"], tmp_path / "cache") as bad, \
+            inproc.embed({"gemma3": tiny_models["gemma3"]}) as good:
+        inproc.wait_ready(bad, good)
+        for body in ({"residual": x.tolist()}, {"residuals": [x.tolist()] * 2}):
+            assert httpx.post(bad.url + "/v1/logits", json=body).status_code == 200
+        _damage_q8_block(lm_head["path"], token=3)
+        for body in ({"residual": x.tolist()}, {"residuals": [x.tolist()] * 2}):
+            r = httpx.post(bad.url + "/v1/logits", json=body)
+            assert r.status_code == 503 and "non-finite logits" in r.json()["error"], r.text
+        raw = httpx.post(bad.url + "/v1/logits", content=ew.encode_logits_request(x),
+                         headers={"content-type": w.CONTENT_TYPE, "accept": w.CONTENT_TYPE})
+        assert raw.status_code == 503, raw.status_code
+        with inproc.router(static_embed=[bad.url, good.url]) as router:
+            wait_grid(router.url, complete=False, embed=2)
+            for _ in range(4):
+                r = httpx.post(router.url + "/v1/logits", json={"residual": x.tolist()}, timeout=30)
+                assert r.status_code == 200, r.text
+                assert all(np.isfinite(t["logit"]) for t in r.json()["top_k"])
+            members = {m["url"]: m["failures"] for m in httpx.get(router.url + "/v1/grid").json()["members"]}
+            assert members[bad.url] >= 1 and members[good.url] == 0, members

@@ -452,3 +452,41 @@ def test_a_member_three_quarters_of_a_second_away_joins(tiny_models):
             joins = [link.joins for link, _ in member.links.values()]
             assert joins == [1], joins
 
+
+
+# -- Low: GET /v1/token/encode?text= was capped at 8 KB of URL, with a misleading error ------------------
+
+
+@pytest.mark.parametrize("where", ["embed", "router"])
+def test_a_long_get_text_is_read_to_16k_and_beyond_is_a_414_pointing_to_post(grid, where):
+    """The documented text limit is 100,000 characters, but a GET's query string lives in the request
+    head, which Sanic caps (8 KB by default, 16 KB at most): 9,000 characters were a 413 saying
+    "Request header exceeds the size limit". The head now takes Sanic's most (16 KB); past it the
+    request line is a 414 in the envelope that names the route's POST form, and an oversize header
+    block a 431. The server still answers on a new connection."""
+    from sanic.http import Http
+
+    from larql_edge.service._envelope import MAX_HEAD_BYTES
+
+    # In one process the apps share Sanic's bound (a class attribute, set by the last app configured, from
+    # its head and body limits): give it what each production server, one app a process, has.
+    Http.set_header_max_size(MAX_HEAD_BYTES)
+    url = grid[where].url
+    r = httpx.get(url + "/v1/token/encode", params={"text": "a" * 12_000}, timeout=30)
+    assert r.status_code == 200 and r.json()["text"] == "a" * 12_000, r.text[:200]
+    r = httpx.get(url + "/v1/token/encode", params={"text": "a" * 20_000}, timeout=30)
+    assert r.status_code == 414, r.text[:300]
+    assert "POST /v1/token/encode" in r.json()["error"], r.text
+    r = httpx.get(url + "/v1/token/encode", params={"text": "paris"}, headers={"x-pad": "p" * 20_000}, timeout=30)
+    assert r.status_code == 431 and "request head" in r.json()["error"], r.text[:300]
+    long_text = "a" * 20_000  # the POST form takes it
+    r = httpx.post(url + "/v1/token/encode", json={"text": long_text}, timeout=30)
+    assert r.status_code == 200 and r.json()["text"] == long_text
+
+
+def test_a_long_get_at_serve_is_a_414_in_openais_envelope(tiny_models, grid):
+    with _serve(tiny_models["gemma3"], grid["router"].url, Limits(context=64)) as s:
+        r = httpx.get(s.url + "/v1/models", params={"q": "a" * 20_000}, timeout=30)
+        assert r.status_code == 414, r.text[:300]
+        assert "request line" in r.json()["error"]["message"], r.text[:300]
+        assert httpx.get(s.url + "/v1/models", timeout=30).status_code == 200

@@ -98,12 +98,14 @@ def test_router_restart_members_rejoin_without_restarting(tiny_models):
         np.testing.assert_array_equal(remote.next_logits(IDS), want)
 
 
-@pytest.mark.parametrize("direct", [False, True], ids=["via-router", "direct"])
-def test_a_frozen_replica_is_failed_over_at_its_missed_heartbeats_not_the_hop_timeout(tiny_models, direct):
+@pytest.mark.parametrize("direct,hedge", [(False, False), (True, True), (True, False)],
+                         ids=["via-router", "direct", "direct-no-hedge"])
+def test_a_frozen_replica_is_failed_over_at_its_missed_heartbeats_not_the_hop_timeout(tiny_models, direct, hedge):
     """Issue #19 (Low): a SIGSTOPped replica stalled generation for 12-17 s (the router waited the whole
     hop timeout). Now a request in flight to a member that stops heartbeating fails over once the
     member is past the eviction age (3 heartbeats): here 0.75 s, against a 20 s hop timeout. On the
-    direct path (the default) the client itself fails over: before, it waited its whole 60 s timeout."""
+    direct path (the default) the client itself fails over at the stall bound (8x the slowest recent
+    hop, >= 0.5 s), hedged or not (issue 18: --no-hedge waited its whole 60 s timeout)."""
     import signal
 
     v = tiny_models["gemma3"]
@@ -119,7 +121,7 @@ def test_a_frozen_replica_is_failed_over_at_its_missed_heartbeats_not_the_hop_ti
         # via-router: the router's failover alone (no direct path, no hedging); direct: the defaults
         hops = HopLog()
         remote = build_remote(Vindex.open(v), remote_args(ffn=router.url, retries=4, timeout=60, direct=direct,
-                                                          hedge=direct), hops)
+                                                          hedge=hedge), hops)
         out, stamps, victim = [], [], None
         for i, tok in enumerate(remote.generate(IDS, 16, stop_ids=[])):
             out.append(tok)

@@ -256,3 +256,66 @@ def test_the_routers_own_overload_is_not_blamed_on_a_member():
         assert codes == [200] * 6, codes
         members = httpx.get(router.url + "/v1/grid").json()["members"]
         assert [m["failures"] for m in members] == [0], members
+
+
+def _joined_slow_member(router_url: str, seconds_per_row: float, name: str) -> ServerThread:
+    """A member that joins ``router_url`` and heartbeats (alive), correct but slow: ``seconds_per_row``
+    per row x layer (a huge legal request on a busy host)."""
+    import asyncio
+
+    from larql_edge.service.membership import install_membership
+    from larql_edge.tools.grid.supervisor import free_port
+
+    app = Sanic(name)
+    facts = {"model": "gemma3-hf", "hidden_size": H, "num_layers": 2, "layer_start": 0, "layer_end": 1}
+
+    @app.get("/v1/health")
+    async def health(request):
+        return json({"status": "ok"})
+
+    @app.get("/v1/stats")
+    async def stats(request):
+        return json(facts)
+
+    @app.post("/v1/walk-ffn")
+    async def walk(request):
+        req = w.decode_request(request.body, H)
+        await asyncio.sleep(seconds_per_row * req.seq_len * len(req.layers))
+        return raw(w.encode_response(req.layers[0], np.array(req.x), 1.0), content_type=w.CONTENT_TYPE)
+
+    port = free_port()
+    install_membership(app, inproc.grid_settings(router_url, port), "ffn", lambda: dict(facts, inflight=0))
+    return ServerThread(app, port=port)
+
+
+def test_a_slow_member_that_heartbeats_is_waited_for_not_failed():
+    """Issue #19 (High), found again by benchmarks/largest_request.py on a host at load 25: the
+    largest legal request took longer than any fixed ms-per-row budget, so the router marked its
+    healthy, heartbeating shard failed (a range uncovered, every caller a 503). Slow is not broken: a
+    joined member that still heartbeats is waited for past its deadline (here 0.2 s against 1.2 s of
+    compute), the caller gets its 200 and the member is never failed."""
+    x = np.zeros((40, H), np.float32)  # 40 row-layers x 30 ms = 1.2 s
+    with inproc.router(heartbeat=0.2, upstream_timeout=0.2, upstream_ms_per_row=0.0) as router, \
+            _joined_slow_member(router.url, 0.030, "slow_joined") as member:
+        wait_grid(router.url, members=1)
+        r = httpx.post(router.url + "/v1/walk-ffn", content=w.encode_request(1, x), headers=BIN, timeout=30)
+        assert r.status_code == 200, r.text
+        grid = httpx.get(router.url + "/v1/grid").json()
+        assert [(m["url"], m["failures"], m["live"]) for m in grid["members"]] == [(member.url, 0, True)], grid
+        assert grid["complete"], grid
+        assert httpx.get(router.url + "/v1/stats").json()["slow_replies"] == 1
+
+
+def test_a_slow_member_with_a_faster_replica_is_left_for_it_unblamed():
+    """The same late reply with another replica serving the layers: the router moves the request
+    there at the deadline (the caller is answered in time) and neither member counts a failure."""
+    x = np.zeros((40, H), np.float32)
+    with inproc.router(heartbeat=0.2, upstream_timeout=0.3, upstream_ms_per_row=0.0) as router, \
+            _joined_slow_member(router.url, 0.5, "slow_a") as slow, _joined_slow_member(router.url, 0.0, "fast_b") as fast:
+        wait_grid(router.url, members=2)
+        for _ in range(4):  # whichever the router tries first, each answer comes in time
+            t0 = time.monotonic()
+            r = httpx.post(router.url + "/v1/walk-ffn", content=w.encode_request(1, x), headers=BIN, timeout=30)
+            assert r.status_code == 200 and time.monotonic() - t0 < 10, r.text
+        members = httpx.get(router.url + "/v1/grid").json()["members"]
+        assert {m["url"]: m["failures"] for m in members} == {slow.url: 0, fast.url: 0}, members

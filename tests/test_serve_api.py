@@ -7,6 +7,7 @@ from __future__ import annotations
 import typing
 
 import httpx
+import numpy as np
 import pytest
 
 from larql_edge.roles.serve import api
@@ -182,26 +183,134 @@ def test_top_k_1_and_min_p_1_are_greedy(serve):
         assert _tokens(_ok(_post(serve.url, "/v1/completions", **body, temperature=1.5, **extra))["choices"][0]) == greedy
 
 
-def test_the_penalties_and_bias_on_the_candidates_scores():
-    import numpy as np
+def reference_controls(logits: np.ndarray, bias: dict[int, float], rep: float, presence: float, frequency: float,
+                       prompt: list[int], generated: list[int]) -> np.ndarray:
+    """The sampling controls on a whole logits row, from their published definitions, in vLLM's and
+    llama.cpp's order: OpenAI's logit_bias (added; -100 bans), the CTRL repetition penalty as
+    transformers' RepetitionPenaltyLogitsProcessor and vLLM apply it (a seen token's logit divided by
+    the penalty if positive, multiplied if negative), OpenAI's presence and frequency penalties
+    (``mu[j] - c[j] * alpha_frequency - (c[j] > 0) * alpha_presence``, counts over the output)."""
+    out = [float(v) for v in logits]
+    for t, b in bias.items():
+        out[t] = float("-inf") if b <= -100 else out[t] + b
+    for t in set(prompt) | set(generated):
+        out[t] = out[t] / rep if out[t] > 0 else out[t] * rep
+    for t in set(generated):
+        out[t] -= generated.count(t) * frequency + presence
+    return np.array(out)
 
+
+CONTROLS = [  # (logit_bias, repetition, presence, frequency)
+    ({}, 1.3, 0.0, 0.0), ({}, 0.6, 0.0, 0.0), ({}, 1.0, 1.5, 0.5), ({}, 1.0, -2.0, -1.0),
+    ({7: 100.0}, 1.0, 0.0, 0.0), ({3: 4.0, 11: -100.0, 400: 2.5}, 1.2, 0.3, 0.7), ({9: -3.0}, 0.8, -0.5, 2.0),
+]
+
+
+@pytest.mark.parametrize("controls", CONTROLS)
+def test_the_sampling_controls_on_the_candidates_equal_them_on_the_whole_row(controls):
+    """Greedy on the head's top k plus the raised ids (and the whole row when those cannot decide) is
+    greedy on the whole adjusted row, for 200 random rows; sampled, every token the controls leave
+    above the k-th's score is a candidate, with the logit the reference gives it."""
+    from larql_edge.model.head import candidates
+    from larql_edge.roles.serve.scheduler import Params, complete, raised, sample
+
+    bias, rep, presence, frequency = controls
+    rng = np.random.default_rng(CONTROLS.index(controls))
+    vocab, k, fetched = 500, 8, 0
+    for trial in range(200):
+        row = (rng.standard_normal(vocab) * rng.uniform(0.5, 4)).astype(np.float32)
+        prompt = rng.integers(0, vocab, rng.integers(1, 30)).tolist()
+        hot = np.argsort(-row)[: 3 * k]  # outputs that repeat the likely tokens: the penalties bite the top k
+        generated = rng.choice(hot, rng.integers(0, 20)).tolist()
+        if trial % 4 == 0:  # an output that said every likely token, often: they may all fall below the k-th
+            generated = np.repeat(hot, 3).tolist()
+        ref = reference_controls(row, bias, rep, presence, frequency, prompt, generated)
+        for temperature in (0.0, 1.0):
+            p = Params(max_tokens=1, temperature=temperature, logit_bias=bias, repetition_penalty=rep,
+                       presence_penalty=presence, frequency_penalty=frequency)
+            up = raised(p, prompt, generated)
+
+            def whole(row: np.ndarray = row) -> np.ndarray:
+                nonlocal fetched
+                fetched += 1
+                return row
+
+            top = complete(candidates(row, k, up), p, prompt, generated, up, k, whole)
+            if temperature == 0.0:
+                assert sample(top.ids, top.lps, p, rng, prompt, generated, top.lse) == int(np.argmax(ref)), trial
+                continue
+            listed = dict(zip(top.ids.tolist(), top.lps + top.lse, strict=True))
+            kth = np.sort(row)[-k]
+            for t in np.nonzero(ref > kth)[0].tolist():
+                assert t in listed, (trial, t)
+            z = adjust_of(top, p, prompt, generated)
+            assert z == pytest.approx([ref[t] for t in top.ids.tolist()], rel=1e-5, abs=1e-4)
+    # the candidates decide most rows; the whole row comes when the penalties lowered every candidate
+    assert fetched < 60
+    if frequency >= 0.5:
+        assert fetched > 0
+
+
+def adjust_of(top, p, prompt, generated) -> list[float]:
+    from larql_edge.roles.serve.scheduler import adjust
+
+    return adjust(top.ids, top.lps + top.lse, p, prompt, generated).tolist()
+
+
+def test_a_banned_token_is_never_drawn_and_a_bias_decides_greedy():
     from larql_edge.roles.serve.scheduler import Params, adjust, sample
 
     ids, lps = np.array([4, 7, 9, 2]), np.array([-0.1, -1.0, -2.0, -3.0])
-    gen = [4, 4, 9]
-    p = Params(max_tokens=1, presence_penalty=0.5, frequency_penalty=0.25)
-    assert adjust(ids, lps, p, [], gen).tolist() == pytest.approx([-0.1 - 0.5 - 0.5, -1.0, -2.0 - 0.5 - 0.25, -3.0])
-    r = Params(max_tokens=1, repetition_penalty=2.0)
-    ln2 = float(np.log(2))
-    assert adjust(ids, lps, r, [7], gen).tolist() == pytest.approx([-0.1 - ln2, -1.0 - ln2, -2.0 - ln2, -3.0])
     b = Params(max_tokens=1, temperature=0, logit_bias={4: -100, 2: 5})
     z = adjust(ids, lps, b, [], [])
     assert z[0] == -np.inf and z[3] == pytest.approx(2.0)
     assert sample(ids, lps, b, np.random.default_rng(0)) == 2
-    # sampled, a banned token is never drawn
     hot = Params(max_tokens=1, temperature=2.0, logit_bias={4: -100})
     rng = np.random.default_rng(1)
     assert 4 not in {sample(ids, lps, hot, rng) for _ in range(500)}
+
+
+def test_the_controls_through_the_grid_equal_a_whole_row_reference(tiny_models, grid, monkeypatch):
+    """Greedy through the grid with the head's candidates cut to 4 (the tiny vocabulary has 45 tokens):
+    a +100 logit_bias on a token the reference ranks 10th is chosen, and 10 tokens under the penalties
+    and biases equal greedy on the reference's whole logits rows (`tests.tinymodel.reference_logits`,
+    float64 from the safetensors) with the controls applied by `reference_controls`."""
+    from larql_edge.roles.serve import scheduler
+    from tests.tinymodel import reference_logits
+
+    monkeypatch.setattr(scheduler, "HEAD_TOP_K", 4)
+    folder, prompt = tiny_models["gemma3-hf"], [2, 5, 9, 13, 5]
+    with _serve(tiny_models["gemma3"], grid["router"].url, Limits(context=128, prefix_cache_bytes=0), eos=False) as s:
+        ids = ids_by_text(tiny_models["gemma3"])
+
+        def greedy(n: int, **controls) -> list[int]:
+            got = _ok(_post(s.url, "/v1/completions", prompt=prompt, max_tokens=n, temperature=0, logprobs=1,
+                            **controls))["choices"][0]
+            out = []
+            for t in _tokens(got):
+                assert len(ids[t]) == 1, t
+                out.append(ids[t][0])
+            return out
+
+        order = np.argsort(-reference_logits(folder, prompt)[-1], kind="stable")
+        tenth = int(order[9])
+        lowered = {str(t): -30.0 for t in order[:8].tolist()}  # every candidate falls below the rest
+        assert greedy(1, logit_bias={str(tenth): 100}) == [tenth]
+        for bias, rep, presence, frequency in [({str(tenth): 3.0}, 1.0, 0.0, 0.0), ({}, 0.5, 0.0, 0.0),
+                                               ({}, 1.0, -2.0, 0.0), ({"9": -100, "11": 2.0}, 1.5, 0.5, 1.0),
+                                               ({}, 1.0, 0.0, 2.0), (lowered, 1.0, 0.0, 0.0)]:
+            bias = {str(t): -100 for t in range(4)} | bias  # the special tokens decode to no text: never them
+            want: list[int] = []
+            for _ in range(10):
+                row = reference_logits(folder, prompt + want)[-1]
+                ref = reference_controls(row, {int(t): b for t, b in bias.items()}, rep, presence, frequency,
+                                         prompt, want)
+                want.append(int(np.argmax(ref)))
+            got = greedy(10, logit_bias=bias, repetition_penalty=rep, presence_penalty=presence,
+                         frequency_penalty=frequency)
+            assert got == want, (bias, rep, presence, frequency)
+        stats = httpx.get(s.url + "/v1/stats").json()["scheduler"]
+        assert stats["full_logit_rows"] > 0  # -30 lowered every candidate: the whole row decided
 
 
 # -- n, batched prompts, echo ----------------------------------------------------------------------------

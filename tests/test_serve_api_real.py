@@ -8,6 +8,7 @@ from __future__ import annotations
 import socket
 
 import httpx
+import numpy as np
 import openai
 import pytest
 
@@ -70,6 +71,39 @@ def test_penalties_and_logit_bias_change_the_output_and_a_banned_token_never_app
     assert c.completions.create(**hot).choices[0].logprobs.tokens == base
     assert c.completions.create(**hot, presence_penalty=2.0).choices[0].logprobs.tokens != base
     assert c.completions.create(**hot, extra_body={"repetition_penalty": 2.0}).choices[0].logprobs.tokens != base
+
+
+def test_a_bias_chooses_a_token_far_outside_the_heads_64_and_the_controls_equal_the_whole_row(real):
+    """Greedy, Gemma 3 270M through the grid: +100 on the token the local whole-row forward pass ranks
+    5000th makes it the reply (the head returns 64 candidates); a bias just above / below the gap to
+    the argmax on the 300th does / does not; 8 tokens under a positive bias and a negative presence
+    penalty equal greedy on the whole rows with the controls applied from their definitions."""
+    from larql_edge.format.vindex import Vindex
+    from larql_edge.model.forward import Transformer
+    from tests.test_serve_api import reference_controls
+
+    c = real["client"]
+    prompt = [2, 818, 5279, 529, 7001, 563]  # "The capital of France is" (the golden file's ids)
+    vx = Vindex.open(real["vindex"])
+    local, tok = Transformer.local(vx), vx.load_tokenizer()
+    row = local.next_logits(prompt).astype(np.float64)
+    order = np.argsort(-row, kind="stable")
+
+    def reply(n: int, **kw) -> str:
+        return c.completions.create(model=MODEL, prompt=prompt, max_tokens=n, temperature=0, **kw).choices[0].text
+
+    far = int(order[5000])
+    assert reply(1, logit_bias={str(far): 100}) == tok.decode([far])
+    mid, gap = int(order[300]), float(row[order[0]] - row[order[300]])
+    assert reply(1, logit_bias={str(mid): gap + 0.5}) == tok.decode([mid])
+    assert reply(1, logit_bias={str(mid): gap - 0.5}) == tok.decode([int(order[0])])
+    bias = {int(order[200]): 6.0}
+    want: list[int] = []
+    for _ in range(8):
+        z = local.next_logits(prompt + want).astype(np.float64)
+        want.append(int(np.argmax(reference_controls(z, bias, 1.0, -1.5, 0.0, prompt, want))))
+    got = reply(8, logit_bias={str(t): b for t, b in bias.items()}, presence_penalty=-1.5)
+    assert got == tok.decode(want), (got, tok.decode(want))
 
 
 def test_a_second_turn_reports_cached_tokens_and_the_tokens_of_the_uncached_server(real):

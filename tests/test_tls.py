@@ -197,6 +197,83 @@ def test_mutual_tls_refuses_a_client_without_a_certificate_or_with_another_cas(p
         assert _async_get(srv.url + "/x").status_code == 200
 
 
+def _bundle(path: Path, *cas: Path) -> None:
+    """Write a CA file in one step (a rename, as kubelet and cert-manager update a mounted Secret)."""
+    tmp = path.with_suffix(".new")
+    tmp.write_bytes(b"".join(c.read_bytes() for c in cas))
+    tmp.replace(path)
+
+
+def test_a_changed_client_ca_file_is_reloaded_into_the_server(pki, tmp_path):
+    """Rotation's first step: the new CA appended to --tls-client-ca. Its members are refused before
+    the change and accepted after, without a restart; a broken CA file changes nothing."""
+    server = pki.issue("server")
+    new_ca = Pki(tmp_path / "new", name="new-ca")
+    newcomer = new_ca.issue("newcomer")
+    client_ca = tmp_path / "client-ca.pem"
+    _bundle(client_ca, pki.ca)
+    s = tls.TlsSettings(str(server.cert), str(server.key), client_ca=str(client_ca))
+    ctx = tls.server_context(s)
+    r = tls.Reloader(s, [ctx])
+    tls.configure_client(tls.TlsSettings(str(newcomer.cert), str(newcomer.key), ca=str(pki.ca)))
+    with _TlsServer(ctx) as srv:
+        with pytest.raises((ConnectFailed, ConnectionLost)):
+            HttpClient(timeout=5).request("GET", srv.url + "/x")
+        assert not r.check()  # nothing changed
+        _bundle(client_ca, pki.ca, new_ca.ca)
+        assert r.check() and r.ca_reloads == 1 and r.reloads == 0
+        assert HttpClient(timeout=5).request("GET", srv.url + "/x").status_code == 200
+        client_ca.write_bytes(b"-----BEGIN CERTIFICATE-----\nnot base64\n-----END CERTIFICATE-----\n")
+        assert not r.check() and r.ca_reloads == 1  # refused, logged; what was trusted stays trusted
+        assert HttpClient(timeout=5).request("GET", srv.url + "/x").status_code == 200
+
+
+def test_a_changed_ca_file_is_reloaded_into_the_client_context(pki, tmp_path):
+    """--tls-ca of a server's own client side (the router's upstreams, serve's router): a server whose
+    certificate comes from a CA added to the file is verified after the change, on new connections."""
+    new_ca = Pki(tmp_path / "new", name="new-ca")
+    upstream = new_ca.issue("upstream")
+    ca = tmp_path / "ca.pem"
+    _bundle(ca, pki.ca)
+    s = tls.TlsSettings(ca=str(ca))
+    tls.configure_client(s)
+    r = tls.Reloader(s, [], [tls.client_context()])
+    with _TlsServer(tls.server_context(tls.TlsSettings(str(upstream.cert), str(upstream.key)))) as srv:
+        with pytest.raises(ConnectFailed, match="certificate verify failed"):
+            HttpClient(timeout=5).request("GET", srv.url + "/x")
+        _bundle(ca, pki.ca, new_ca.ca)
+        assert r.check() and r.ca_reloads == 1
+        assert HttpClient(timeout=5).request("GET", srv.url + "/x").json() == {"ok": True}
+        assert _async_get(srv.url + "/x").json() == {"ok": True}
+        ca.write_bytes(b"")  # an empty file (a half-written Secret): no CA, refused
+        assert not r.reload("SIGHUP")
+        assert HttpClient(timeout=5).request("GET", srv.url + "/x").status_code == 200
+
+
+def test_tls_server_name_verifies_every_server_under_one_grid_name(pki, monkeypatch):
+    """--tls-server-name (Swarm: task names cannot be in a certificate): a server whose certificate
+    names only the grid is refused under its address, and accepted by both clients, and the
+    membership's joins, under the grid name; a name of another grid is still refused."""
+    from larql_edge.service.membership import RouterLink
+
+    server = pki.issue("grid-member", hosts=("larql-grid",))
+    with _TlsServer(tls.server_context(tls.TlsSettings(str(server.cert), str(server.key)))) as srv:
+        tls.configure_client(tls.TlsSettings(ca=str(pki.ca)))
+        with pytest.raises(ConnectFailed, match="certificate verify failed"):
+            HttpClient(timeout=5).request("GET", srv.url + "/x")
+        assert RouterLink(srv.url, "k", "https://m:1", "ffn", dict)._extensions == {}
+        args = _parse(["--tls-ca", str(pki.ca), "--tls-server-name", "larql-grid"], server=False, monkeypatch=monkeypatch)
+        assert tls.settings_from_args(args).server_name == "larql-grid"
+        assert HttpClient(timeout=5).request("GET", srv.url + "/x").json() == {"ok": True}
+        assert _async_get(srv.url + "/x").json() == {"ok": True}
+        assert RouterLink(srv.url, "k", "https://m:1", "ffn", dict)._extensions == {"sni_hostname": "larql-grid"}
+        tls.configure_client(tls.TlsSettings(ca=str(pki.ca), server_name="other-grid"))
+        with pytest.raises(ConnectFailed, match="certificate verify failed"):
+            HttpClient(timeout=5).request("GET", srv.url + "/x")
+    with pytest.raises(SetupError, match="not a DNS name"):
+        tls.settings_from_args(_parse(["--tls-server-name", "bad name/"], server=False, monkeypatch=monkeypatch))
+
+
 # -- slow tier: a grid of processes with mutual TLS on every hop ------------------------------------
 
 def _tls_env(pki_issued, pki: Pki, client_ca: bool) -> dict[str, str]:

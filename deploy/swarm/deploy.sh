@@ -9,7 +9,8 @@
 #   2. the grid key: the Swarm secret larql_grid_key, created if missing from $LARQL_GRID_KEY_FILE
 #      (a file), else $LARQL_GRID_KEY, else a new random key; an existing secret is kept (secrets
 #      are immutable: rotate by creating a new name and setting LARQL_GRID_KEY_SECRET)
-#   3. `docker stack deploy --resolve-image never` (no registry lookups at deploy time: each node
+#   3. with --tls DIR: the grid's certificates become Swarm secrets (larql-grid.tls.yaml)
+#   4. `docker stack deploy --resolve-image never` (no registry lookups at deploy time: each node
 #      pulls REGISTRY/larql-<role>:AS when a task lands on it), then waits until every service has
 #      its replicas running and healthy (bounded by --wait)
 #
@@ -33,6 +34,11 @@
 #   --as TAG              tag to push and deploy (default: --tag)                  [LARQL_TAG]
 #   --roles "R ..."       images to push (default: router embed ffn serve edge prometheus; a
 #                         missing larql-serve is skipped with a warning and scaled to 0)
+#   --tls DIR             TLS on every hop (larql-grid.tls.yaml merged over the stack): DIR is  [LARQL_TLS_DIR]
+#                         what `larql-grid certs` makes, ca.crt and {router,embed,ffn,serve,edge,
+#                         prometheus}/{tls.crt,tls.key}, each certificate covering its service's
+#                         name and `larql-grid` (the command is in larql-grid.tls.yaml); the files
+#                         become Swarm secrets named by content, so renewed files roll out
 #   -c FILE               an extra compose file merged over the stack (repeatable)
 #   --wait SECONDS        wait this long for convergence (default 600; 0: do not wait)
 #   --dry-run             print what would be done, change nothing
@@ -56,6 +62,8 @@ EXTRA=()
 WAIT=600
 DRY=0
 SECRET=${LARQL_GRID_KEY_SECRET:-larql_grid_key}
+TLS_DIR=${LARQL_TLS_DIR:-}
+TLS_SERVICES="router embed ffn serve edge prometheus"
 
 T0=$(date +%s)
 log() { printf '[deploy %4ss] %s\n' "$(( $(date +%s) - T0 ))" "$*" >&2; }
@@ -74,6 +82,7 @@ while [[ $# -gt 0 ]]; do
     --tag) TAG=${2:?--tag needs a value}; shift 2 ;;
     --as) AS=${2:?--as needs a value}; shift 2 ;;
     --roles) ROLES=${2:?--roles needs a value}; shift 2 ;;
+    --tls) TLS_DIR=${2:?--tls needs a folder}; shift 2 ;;
     -c) [[ -f ${2:-} ]] || die "-c: no such file: ${2:-}"; EXTRA+=(-c "$2"); shift 2 ;;
     --wait) WAIT=${2:?--wait needs a value}; shift 2 ;;
     --dry-run) DRY=1; shift ;;
@@ -171,9 +180,32 @@ fi
 export LARQL_GRID_KEY_SECRET=$SECRET
 unset LARQL_GRID_KEY  # the stack never needs the key itself
 
-# ---- 3. deploy ----------------------------------------------------------------------------------
+# ---- 3. TLS (--tls): the certificates as secrets, named by content -------------------------------
+PROM_CONFIG="$HERE/prometheus.yml"
+if [[ -n $TLS_DIR ]]; then
+  [[ -d $TLS_DIR ]] || die "--tls $TLS_DIR: no such folder (make it with larql-grid certs: see larql-grid.tls.yaml)"
+  TLS_DIR=$(cd "$TLS_DIR" && pwd)
+  for f in ca.crt $(for s in $TLS_SERVICES; do echo "$s/tls.crt $s/tls.key"; done); do
+    [[ -s $TLS_DIR/$f ]] || die "--tls $TLS_DIR: $f is missing or empty (larql-grid certs makes it: see larql-grid.tls.yaml)"
+  done
+  h() { sha256sum "$1" | cut -c1-12; }
+  export LARQL_TLS_DIR=$TLS_DIR
+  export LARQL_TLS_CA_NAME="${STACK}_tls_ca_$(h "$TLS_DIR/ca.crt")"
+  for s in $TLS_SERVICES; do
+    up=$(tr '[:lower:]' '[:upper:]' <<<"$s")
+    # both named by the certificate's hash: a key is only ever renewed with its certificate, and
+    # no digest of key material ends up in a name
+    sum=$(h "$TLS_DIR/$s/tls.crt")
+    export "LARQL_TLS_${up}_CRT_NAME=${STACK}_tls_${s}_crt_$sum" "LARQL_TLS_${up}_KEY_NAME=${STACK}_tls_${s}_key_$sum"
+  done
+  EXTRA=(-c "$HERE/larql-grid.tls.yaml" "${EXTRA[@]}")
+  PROM_CONFIG="$HERE/prometheus-tls.yml"
+  log "TLS: certificates from $TLS_DIR (CA $(h "$TLS_DIR/ca.crt")); every hop https, mutual TLS on router, embed, ffn"
+fi
+
+# ---- 4. deploy ----------------------------------------------------------------------------------
 # Swarm configs are immutable: name the Prometheus config by its content, so an edit deploys.
-sum=$(sha256sum "$HERE/prometheus.yml" | cut -c1-12)
+sum=$(sha256sum "$PROM_CONFIG" | cut -c1-12)
 export LARQL_PROMETHEUS_CONFIG="${STACK}_prometheus_$sum"
 run dm stack deploy --resolve-image never --detach=true -c "$HERE/larql-grid.yaml" "${EXTRA[@]}" "$STACK" >&2
 log "stack $STACK deployed (images ${LARQL_IMAGE_PREFIX}larql-<role>:$LARQL_TAG)"

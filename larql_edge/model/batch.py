@@ -28,20 +28,25 @@ import numpy as np
 from larql_edge.model import ops
 from larql_edge.model.backend import Backend
 from larql_edge.model.forward import EmbedProvider, FfnProvider, project_qkv
-from larql_edge.model.head import top_k_logprobs
+from larql_edge.model.head import Top, candidates
 from larql_edge.model.spec import ModelSpec
 from larql_edge.model.weights import AttentionLayer
 from larql_edge.wire.embed import allowed_tokens
 
 
 class TopKHead(Protocol):
-    """Pre-final-norm rows ``[n, hidden]`` -> per row the top ``k`` ids and their log-probabilities
-    (temperature 1), most likely first (ties: the lower id first, as ``argmax``). ``masks``: per row
-    None or a token bitmask (`larql_edge.wire.embed.mask_words` 32-bit words; structured output): the
-    row's top k are then among its allowed tokens only, renormalised over them, and may be fewer than k."""
+    """Pre-final-norm rows ``[n, hidden]`` -> per row a `Top`: the top ``k`` ids and their
+    log-probabilities (temperature 1), most likely first (ties: the lower id first, as ``argmax``).
+    ``masks``: per row None or a token bitmask (`larql_edge.wire.embed.mask_words` 32-bit words;
+    structured output): the row's top k are then among its allowed tokens only, renormalised over
+    them, and may be fewer than k. ``extra``: per row None or token ids whose log-probabilities the
+    row needs whatever their rank (a logit_bias may raise them): listed after the top k.
+    ``logits``: the whole rows (``[n, vocab]``), for what the candidates cannot decide."""
 
-    def top_k_rows(self, h: np.ndarray, k: int,
-                   masks: Sequence[np.ndarray | None] | None = None) -> list[tuple[np.ndarray, np.ndarray]]: ...
+    def top_k_rows(self, h: np.ndarray, k: int, masks: Sequence[np.ndarray | None] | None = None,
+                   extra: Sequence[np.ndarray | None] | None = None) -> list[Top]: ...
+
+    def logits(self, h: np.ndarray) -> np.ndarray: ...
 
 
 class LocalTopK:
@@ -50,18 +55,17 @@ class LocalTopK:
     def __init__(self, head):
         self.head = head
 
-    def top_k_rows(self, h: np.ndarray, k: int,
-                   masks: Sequence[np.ndarray | None] | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
-        logits = np.asarray(self.head.logits(h), dtype=np.float32)
+    def logits(self, h: np.ndarray) -> np.ndarray:
+        return np.asarray(self.head.logits(h), dtype=np.float32)
+
+    def top_k_rows(self, h: np.ndarray, k: int, masks: Sequence[np.ndarray | None] | None = None,
+                   extra: Sequence[np.ndarray | None] | None = None) -> list[Top]:
         out = []
-        for i, row in enumerate(logits):
+        for i, row in enumerate(self.logits(h)):
             mask = masks[i] if masks is not None else None
-            if mask is None:
-                out.append(top_k_logprobs(row, k))
-                continue
-            ids, lps = top_k_logprobs(np.where(allowed_tokens(mask, row.size), row, np.float32(-np.inf)), k)
-            keep = np.isfinite(lps)  # fewer allowed tokens than k: only those
-            out.append((ids[keep], lps[keep]))
+            if mask is not None:
+                row = np.where(allowed_tokens(mask, row.size), row, np.float32(-np.inf))
+            out.append(candidates(row, k, extra[i] if extra is not None else None))
         return out
 
 
@@ -97,6 +101,7 @@ class Chunk:
     wants_logits: bool = True  # False for a prefill chunk that is not the prompt's last
     logit_rows: int = 1  # with wants_logits: how many of the last rows want their top k (drafts verified)
     mask: np.ndarray | None = None  # the allowed next tokens (a token bitmask), for structured output
+    extra: np.ndarray | None = None  # token ids the last row's candidates must include (see TopKHead)
 
 
 class BatchEngine:
@@ -105,6 +110,7 @@ class BatchEngine:
         self.spec, self.attn, self.embedder, self.ffn, self.head, self.backend = spec, attn, embedder, ffn, head, backend
         self.local_s = 0.0  # seconds of attention computed here, so far
         self.step_local: deque[float] = deque(maxlen=4096)  # ... in each recent step (metrics drain it)
+        self._last: tuple = ((), np.empty((0, spec.hidden_size), np.float32))  # the last step's chunks and rows
 
     def new_cache(self, context: int) -> SeqCache:
         return SeqCache(self.spec, context)
@@ -166,13 +172,14 @@ class BatchEngine:
             c.cache.length += len(c.ids)
         return h
 
-    def step(self, chunks: Sequence[Chunk], k: int) -> list[tuple[np.ndarray, np.ndarray] | None]:
+    def step(self, chunks: Sequence[Chunk], k: int) -> list[Top | None]:
         """One step: per chunk, the top ``k`` of its next token (None for a chunk not asking)."""
         return [rows[-1] if rows else None for rows in self.step_rows(chunks, k)]
 
-    def step_rows(self, chunks: Sequence[Chunk], k: int) -> list[list[tuple[np.ndarray, np.ndarray]]]:
+    def step_rows(self, chunks: Sequence[Chunk], k: int) -> list[list[Top]]:
         """One step: per chunk, the top ``k`` after each of its last ``logit_rows`` rows (none for a
-        chunk not asking), every chunk's rows in ONE head request."""
+        chunk not asking), every chunk's rows in ONE head request. The rows stay until the next step,
+        for `row_logits`."""
         if not chunks:
             return []
         local0 = self.local_s
@@ -180,6 +187,7 @@ class BatchEngine:
         self.step_local.append(self.local_s - local0)
         wanted: list[int] = []
         masks: list[np.ndarray | None] = []
+        extra: list[np.ndarray | None] = []
         counts: list[int] = []
         at = 0
         for c in chunks:
@@ -187,8 +195,24 @@ class BatchEngine:
             n = min(max(1, c.logit_rows), len(c.ids)) if c.wants_logits else 0
             wanted.extend(range(at - n, at))
             masks.extend([None] * (n - 1) + [c.mask] if n else [])  # a mask applies to the last row
+            extra.extend([None] * (n - 1) + [c.extra] if n else [])  # so do the extra ids
             counts.append(n)
-        any_mask = any(m is not None for m in masks)
-        tops = iter((self.head.top_k_rows(h[wanted], k, masks) if any_mask else self.head.top_k_rows(h[wanted], k))
-                    if wanted else [])
+        self._last = (chunks, h)
+        opts: dict = {}
+        if any(m is not None for m in masks):
+            opts["masks"] = masks
+        if any(e is not None and len(e) for e in extra):
+            opts["extra"] = extra
+        tops = iter(self.head.top_k_rows(h[wanted], k, **opts) if wanted else [])
         return [[next(tops) for _ in range(n)] for n in counts]
+
+    def row_logits(self, chunk: int) -> np.ndarray:
+        """The whole logits row (``f32[vocab]``) after the last row of chunk ``chunk`` of the last step,
+        its mask applied (-inf): one more head request, for what that row's candidates cannot decide."""
+        chunks, h = self._last
+        ends = np.cumsum([len(c.ids) for c in chunks])
+        row = np.array(self.head.logits(h[ends[chunk] - 1 : ends[chunk]])[0], dtype=np.float32)
+        mask = chunks[chunk].mask
+        if mask is not None:
+            row[~allowed_tokens(mask, row.size)] = -np.inf
+        return row

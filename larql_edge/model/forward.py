@@ -18,10 +18,12 @@ from typing import Protocol
 
 import numpy as np
 
+from larql_edge.config import graph_mode
 from larql_edge.errors import VindexError
 from larql_edge.format.vindex import Vindex
 from larql_edge.model import ops
 from larql_edge.model.backend import Backend, get_backend
+from larql_edge.model.graph import GraphCache
 from larql_edge.model.head import LocalHead, top_k_logprobs
 from larql_edge.model.spec import ModelSpec
 from larql_edge.model.weights import AttentionLayer, FfnLayer, load_attention_layer, load_ffn_layer
@@ -122,9 +124,12 @@ class Transformer:
     head: HeadProvider
     backend: Backend = field(default_factory=get_backend)
     local_s: float = field(default=0.0, repr=False, compare=False)  # seconds of attention computed here, so far
+    # one ggml graph per step (`larql_edge.model.graph`): None = LARQL_GRAPH (auto: on compact weights)
+    graph: bool | None = field(default=None, repr=False, compare=False)
+    _engine: object = field(default=None, init=False, repr=False, compare=False)
 
     @classmethod
-    def local(cls, vindex: str | Vindex, backend: Backend | None = None) -> "Transformer":
+    def local(cls, vindex: str | Vindex, backend: Backend | None = None, graph: bool | None = None) -> "Transformer":
         """The whole model in this process, from a vindex with attention and FFN weights."""
         vx = vindex if isinstance(vindex, Vindex) else Vindex.open(vindex)
         spec = ModelSpec.from_index(vx.index)
@@ -136,9 +141,19 @@ class Transformer:
             ffn_provider=LocalFfn(vx, spec, backend=be),
             head=LocalHead(vx, spec, be),
             backend=be,
+            graph=graph,
         )
 
+    def engine(self):
+        """The graph engine when this model's steps run as one ggml graph each, else None."""
+        if self._engine is None:
+            self._engine = _build_engine(self) or False
+        return self._engine or None
+
     def new_cache(self, slack: int = 0) -> KVCache:
+        eng = self.engine()
+        if eng is not None:
+            return eng.new_cache(slack)
         return KVCache.empty(self.spec.num_layers, slack)
 
     def windows(self) -> list[int | None]:
@@ -172,6 +187,8 @@ class Transformer:
     def forward(self, ids: Sequence[int], cache: KVCache | None = None) -> np.ndarray:
         """Run ``ids`` through every layer; returns the residual before the final norm ``[seq, hidden]``."""
         cache = cache if cache is not None else self.new_cache()
+        if isinstance(cache, GraphCache):
+            return self._graph_step(ids, cache, head=False)
         s = self.spec
         eps, off = s.rms_norm_eps, s.family.norm_offset
         h = np.asarray(self.embedder.embed(ids), dtype=np.float32)
@@ -193,8 +210,20 @@ class Transformer:
         cache.length = start + len(ids)
         return h
 
+    def _graph_step(self, ids: Sequence[int], cache: GraphCache, head: bool) -> np.ndarray:
+        t = time.perf_counter()
+        rows = np.asarray(self.embedder.embed(ids), dtype=np.float32)
+        out = self.engine().step(rows, cache, head)
+        self.local_s += time.perf_counter() - t  # the whole step ran here
+        return out
+
     def next_logits(self, ids: Sequence[int], cache: KVCache | None = None) -> np.ndarray:
         """Logits ``[vocab]`` for the token after ``ids`` (appended to ``cache`` when given)."""
+        eng = self.engine()
+        if eng is not None and eng.lm_head is not None:
+            cache = cache if cache is not None else self.new_cache()
+            if isinstance(cache, GraphCache):
+                return self._graph_step(ids, cache, head=True)
         h = self.forward(ids, cache)
         return np.asarray(self.head.logits(h[-1:]), dtype=np.float32)[0]
 
@@ -219,6 +248,27 @@ class Transformer:
             if tok in stop:
                 return
             logits = self.next_logits([tok], cache)
+
+
+def _build_engine(m: Transformer):
+    """A `GraphEngine` over the model's own weights when every product can run in the graph: compact
+    backend, local FFN weights in ggml's types; the head joins the graph when it is local too."""
+    mode = {True: "on", False: "off"}.get(m.graph) if m.graph is not None else graph_mode()
+    if mode == "off" or getattr(m.backend, "name", None) != "compact" or not isinstance(m.ffn_provider, LocalFfn):
+        return None
+    from larql_edge.model.graph import GraphEngine, graphable
+
+    s = m.spec
+    ffn = [m.ffn_provider.layers.get(i) for i in range(s.num_layers)]
+    if any(f is None for f in ffn):
+        return None
+    mats = [x for a, f in zip(m.attn, ffn, strict=True) for x in (a.q, a.k, a.v, a.o, f.gate, f.up, f.down)]
+    if not all(graphable(x) for x in mats):
+        return None
+    if mode == "auto" and all(x.fmt == "f32" for x in mats):
+        return None  # float32 weights: the exact BLAS path is the reference and no slower here
+    head = m.head if isinstance(m.head, LocalHead) and graphable(m.head.weight) else None
+    return GraphEngine(s, m.attn, ffn, head.weight if head else None, head.norm if head else None)
 
 
 def project_qkv(s: ModelSpec, w: AttentionLayer, be: Backend, x: np.ndarray,

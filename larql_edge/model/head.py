@@ -54,6 +54,48 @@ class LocalHead:
         return ops.softcap(y, s.final_logit_softcapping)
 
 
+class Top(tuple):
+    """One row's candidates: unpacks as ``(ids, lps)`` (log-probabilities at temperature 1, most likely
+    first; ties: the lower id first), and says what the list leaves out:
+
+    - ``lse``: the row's log normaliser, so a candidate's logit is ``lp + lse`` (nan: unknown);
+    - ``floor``: every token not listed has ``lp <= floor`` (the k-th candidate's; ``-inf``: every
+      token the row allows is listed). Ids asked for beyond the top k follow it, at or below ``floor``.
+    """
+
+    lse: float
+    floor: float
+
+    def __new__(cls, ids: np.ndarray, lps: np.ndarray, lse: float = float("nan"), floor: float = float("-inf")):
+        self = super().__new__(cls, (ids, lps))
+        self.lse, self.floor = float(lse), float(floor)
+        return self
+
+    @property
+    def ids(self) -> np.ndarray:
+        return self[0]
+
+    @property
+    def lps(self) -> np.ndarray:
+        return self[1]
+
+
+def candidates(row: np.ndarray, k: int, extra: np.ndarray | None = None) -> Top:
+    """The top ``k`` of a logits row (``-inf``: a disallowed token, never listed), then the ``extra``
+    ids not among them, as a `Top`."""
+    ids = top_k_ids(row, k)
+    ids = ids[np.isfinite(row[ids])]
+    lse = log_normaliser(row)
+    floor = float(row[ids[-1]]) - lse if ids.size == k and k < row.size else float("-inf")
+    if extra is not None and len(extra):
+        more = np.setdiff1d(np.asarray(extra, dtype=np.int64), ids)
+        more = more[np.isfinite(row[more])]
+        more = more[np.lexsort((more, -row[more]))]
+        ids = np.concatenate([ids, more])
+    ids = ids.astype(np.int64)
+    return Top(ids, row[ids].astype(np.float64) - lse, lse, floor)
+
+
 def top_k_ids(row: np.ndarray, k: int) -> np.ndarray:
     """Indices of the k largest values of ``row``, largest first (ties: lower id first)."""
     n = row.size

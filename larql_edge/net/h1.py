@@ -7,10 +7,11 @@ from __future__ import annotations
 import json as jsonlib
 from dataclasses import dataclass
 
-from larql_edge.errors import ConnectFailed, ConnectionLost, MalformedReply, ReplyTooLarge, TimedOut, TransportError
+from larql_edge.errors import (ConnectFailed, ConnectionLost, MalformedReply, ReplyTooLarge, Stalled, Superseded, TimedOut,
+                               TransportError)
 
-__all__ = ["ConnectFailed", "ConnectionLost", "DEFAULT_MAX_BODY", "MalformedReply", "Reply", "ReplyTooLarge", "TimedOut",
-           "TransportError", "describe", "error_text"]
+__all__ = ["ConnectFailed", "ConnectionLost", "DEFAULT_MAX_BODY", "MalformedReply", "Reply", "ReplyTooLarge", "Stalled",
+           "Superseded", "TimedOut", "TransportError", "describe", "error_text"]
 
 # A prefill of a few thousand tokens of a large model stays far below this (the FFN server caps a
 # request body at the same size); anything bigger is a member's mistake, not something to buffer.
@@ -34,8 +35,12 @@ class Reply:
 def describe(e: TransportError) -> str:
     if isinstance(e, ConnectFailed):
         return "connection refused or unreachable"
+    if isinstance(e, Stalled):
+        return "stalled (no reply within the bound learned from recent hops)"
     if isinstance(e, TimedOut):
         return "timed out"
+    if isinstance(e, Superseded):
+        return "superseded by its hedge"
     if isinstance(e, ReplyTooLarge):
         return "reply too large"
     if isinstance(e, MalformedReply):

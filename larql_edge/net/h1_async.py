@@ -29,7 +29,7 @@ from larql_edge.net.h1 import (
     ReplyTooLarge,
     TimedOut,
 )
-from larql_edge.net.tls import client_context
+from larql_edge.net.tls import client_context, verify_name
 
 PIECE = 64 << 10  # close-delimited bodies are read in pieces, so the size bound stops early
 _HEX = b"0123456789abcdefABCDEF"
@@ -90,7 +90,7 @@ class H1Pool:
             if tls is not None:
                 # The handshake on the open connection, not open_connection(ssl=): a refused
                 # handshake there leaves its transport for the garbage collector.
-                await asyncio.wait_for(writer.start_tls(tls, server_hostname=host), self.connect_timeout)
+                await asyncio.wait_for(writer.start_tls(tls, server_hostname=verify_name(host)), self.connect_timeout)
         except BaseException as e:
             if writer is not None:
                 writer.close()

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import http.client
 import socket
+import ssl
 import time
+from typing import Protocol
 from urllib.parse import urlsplit
 
 from larql_edge.net.h1 import (
@@ -29,8 +31,9 @@ from larql_edge.net.h1 import (
     Reply,
     ReplyTooLarge,
     TimedOut,
+    TransportError,
 )
-from larql_edge.net.tls import client_context
+from larql_edge.net.tls import client_context, verify_name
 
 PIECE = 64 << 10  # chunked and close-delimited bodies are read in pieces, so the size bound stops early
 
@@ -39,21 +42,52 @@ PIECE = 64 << 10  # chunked and close-delimited bodies are read in pieces, so th
 _NOTHING_RECEIVED = (http.client.RemoteDisconnected, ConnectionResetError, ConnectionAbortedError, BrokenPipeError)
 
 
-class _DeadlineSocket(socket.socket):
-    """A socket whose every receive is bounded by what is left of the request's deadline.
+class Waiter(Protocol):
+    """Watches a request's reply arrive (``HttpClient.request(..., waiter=)``): called before every
+    receive, on the requesting thread. Returns when ``sock`` is readable; raises a `TransportError`
+    (e.g. ``Stalled``, ``Superseded``) to give the request up: the connection is then closed and the
+    error is the caller's as it is. The hedged hops of ``larql_edge.net.hops`` race two requests this way
+    without handing the first one to another thread."""
+
+    def wait(self, sock: socket.socket, deadline: float) -> None: ...
+
+
+class _Deadline:
+    """Every receive bounded by what is left of the request's deadline, and watched by its waiter.
 
     ``http.client`` reads a reply with many receives, each under the socket's timeout; a server
     that trickles bytes would never trip a per-receive timeout. Setting the timeout to the time
     left before each receive makes ``timeout`` a bound on the whole reply."""
 
     deadline: float | None = None
+    waiter: Waiter | None = None
 
-    def recv_into(self, buffer, nbytes=0, flags=0):
+    def _before_recv(self) -> None:
         if self.deadline is not None:
             left = self.deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError("timed out")
-            self.settimeout(left)
+            if self.waiter is not None and not self._buffered():
+                self.waiter.wait(self, self.deadline)  # type: ignore[arg-type]
+                left = max(1e-3, self.deadline - time.monotonic())
+            self.settimeout(left)  # type: ignore[attr-defined]
+
+    def _buffered(self) -> bool:
+        return False
+
+
+class _DeadlineSocket(_Deadline, socket.socket):
+    def recv_into(self, buffer, nbytes=0, flags=0):
+        self._before_recv()
+        return super().recv_into(buffer, nbytes, flags)
+
+
+class _DeadlineSslSocket(_Deadline, ssl.SSLSocket):
+    def _buffered(self) -> bool:
+        return self.pending() > 0  # decrypted bytes waiting: the socket need not become readable
+
+    def recv_into(self, buffer, nbytes=None, flags=0):
+        self._before_recv()
         return super().recv_into(buffer, nbytes, flags)
 
 
@@ -69,21 +103,28 @@ class _Connection(http.client.HTTPConnection):
         s = self.sock
         self.sock = _DeadlineSocket(s.family, s.type, s.proto, fileno=s.detach())
 
-    def start(self, timeout: float, deadline: float) -> None:
+    def start(self, timeout: float, deadline: float, waiter: Waiter | None) -> None:
         sock = self.sock
-        assert isinstance(sock, _DeadlineSocket)  # connect() made it one
+        assert isinstance(sock, _Deadline)  # connect() made it one
         sock.settimeout(timeout)  # sending
         sock.deadline = deadline  # receiving
+        sock.waiter = waiter
 
 
-class _TlsConnection(http.client.HTTPSConnection):
-    """TLS keeps ``http.client``'s own socket: its reads are bounded per receive, not as a whole."""
+class _TlsConnection(_Connection, http.client.HTTPSConnection):
+    """The same deadline and waiter over TLS: the context wraps sockets in `_DeadlineSslSocket`."""
 
     def __init__(self, host: str, port: int, connect_timeout: float):
-        super().__init__(host, port, timeout=connect_timeout, context=client_context())
+        ctx = client_context()
+        if ctx.sslsocket_class is not _DeadlineSslSocket:
+            ctx.sslsocket_class = _DeadlineSslSocket  # the documented hook (this process's client context)
+        http.client.HTTPSConnection.__init__(self, host, port, timeout=connect_timeout, context=ctx)
 
-    def start(self, timeout: float, deadline: float) -> None:
-        self.sock.settimeout(max(1e-3, deadline - time.monotonic()))
+    def connect(self) -> None:
+        # http.client's, with the name the server is verified under (--tls-server-name); the context's
+        # sslsocket_class makes the wrapped socket a `_DeadlineSslSocket`
+        http.client.HTTPConnection.connect(self)
+        self.sock = self._context.wrap_socket(self.sock, server_hostname=verify_name(self.host))  # type: ignore[attr-defined]
 
 
 class HttpClient:
@@ -104,7 +145,8 @@ class HttpClient:
         return c
 
     def request(self, method: str, url: str, content: bytes | None = None,
-                headers: dict[str, str] | None = None, *, max_body: int | None = None) -> Reply:
+                headers: dict[str, str] | None = None, *, max_body: int | None = None,
+                waiter: Waiter | None = None) -> Reply:
         u = urlsplit(url)
         scheme = u.scheme or "http"
         port = u.port or (443 if scheme == "https" else 80)
@@ -115,7 +157,7 @@ class HttpClient:
             reused = c.sock is not None
             if not reused:
                 self._connect(c, url)
-            c.start(self.timeout, time.monotonic() + self.timeout)
+            c.start(self.timeout, time.monotonic() + self.timeout, waiter)
             try:
                 c.request(method, target, body=content, headers=headers or {})
                 r = c.getresponse()
@@ -175,7 +217,7 @@ class HttpClient:
 
     @staticmethod
     def _mapped(e: BaseException, url: str) -> BaseException:
-        if isinstance(e, (ReplyTooLarge, MalformedReply)):
+        if isinstance(e, TransportError):  # ReplyTooLarge, MalformedReply, a waiter's Stalled or Superseded
             return e
         if isinstance(e, (socket.timeout, TimeoutError)):
             return TimedOut(f"{url}: no reply within the timeout")

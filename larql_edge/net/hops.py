@@ -4,26 +4,33 @@
   larql-edge server sets ``app;dur=MS``: the time from its handler's start to the reply).
 - `HopLog`: each answered hop (tier, layer, URL, wall time, server time), bounded; the client's
   ``--timings`` and larql-serve's per-tier histograms read it. Network = wall - server.
-- `Hedger`: when a hop has not answered by a threshold learned from recent hops (the p95 of hops of
-  the same size), the same request goes to a second replica and the first answer wins. FFN shards
-  are stateless, so the loser is simply ignored. Bounded: at most one hedge per hop, and a token
-  bucket of hedges per second. A hop that has stalled far beyond anything seen at its size (a
-  frozen replica: SIGSTOP, a paused VM) is hedged even before the p95 is learned or when the budget
-  is spent, and its replica is reported slow at once, so the next hops go elsewhere.
+- `HopTimes`: how long hops of each size took lately; the hedging threshold (1.5x their p95) and the
+  stall bound (8x the slowest, >= 0.5 s) come from it.
+- `Hedger`: the hop's request goes out on the caller's thread; when it has not answered by the
+  threshold, the same request goes to a second replica (from a small pool) and the first answer wins.
+  FFN shards are stateless, so the loser is simply abandoned. Bounded: at most one hedge per hop, and
+  a token bucket of hedges per second. A request past the stall bound (a frozen replica: SIGSTOP, a
+  paused VM) is given up, even before the p95 is learned or when the budget is spent, its replica is
+  reported slow at once, and the hop fails over (to the hedge if one is out, else the caller's own
+  failover), so the next hops go elsewhere.
+- `StallWaiter`: the same stall bound on an unhedged request (``--no-hedge``, one replica).
 """
 
 from __future__ import annotations
 
+import math
+import os
 import re
+import select
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
 
-from larql_edge.net.h1 import Reply
+from larql_edge.net.h1 import Reply, Stalled, Superseded
 
 T = TypeVar("T")
 SERVER_TIMING = "server-timing"
@@ -73,10 +80,18 @@ class HopLog:
                 return out
 
 
-class Hedger:
-    """Hedged hops over replicas of one thing. Requests run on a small pool of threads, each with its
-    own keep-alive connections (``make_client()`` per thread), so a losing request can finish (or time
-    out) in the background without holding up the next hop."""
+def _wait_readable(fds: list, seconds: float) -> list[int]:
+    """The fds of ``fds`` (sockets or descriptors) that are readable within ``seconds`` (poll: no
+    FD_SETSIZE limit in a server with many connections)."""
+    p = select.poll()
+    for f in fds:
+        p.register(f, select.POLLIN)
+    return [fd for fd, _ in p.poll(max(0, math.ceil(seconds * 1e3)))]
+
+
+class HopTimes:
+    """How long hops of each size (rows, by power of two) took lately: the hedging threshold and the
+    stall bound are learned from them. Written on the caller's thread only."""
 
     MIN_SAMPLES = 20  # no hedging before this many hops of a size have been seen
     WINDOW = 256
@@ -88,32 +103,11 @@ class Hedger:
     STALL_FACTOR = 8.0
     STALL_FLOOR_S = 0.5
 
-    def __init__(self, make_client: Callable[[], object], budget_per_s: float = 20.0, threads: int = 4,
-                 clock: Callable[[], float] = time.monotonic):
-        self.make_client = make_client
-        self.budget_per_s = budget_per_s
-        self.clock = clock
-        self._tokens = budget_per_s
-        self._last = clock()
+    def __init__(self):
         self._recent: dict[int, deque[float]] = {}
         self._sorted: dict[int, list[float]] = {}
         self._since_sort: dict[int, int] = {}
-        self._local = threading.local()
-        self._threads = threads
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="larql-hedge")
-        self._busy = 0  # submitted, not finished: a request to a frozen replica holds a thread until the timeout
-        self._lock = threading.Lock()
-        self.hops = 0
-        self.sent = 0
-        self.won = 0
 
-    def client(self):
-        c = getattr(self._local, "client", None)
-        if c is None:
-            c = self._local.client = self.make_client()
-        return c
-
-    # -- the threshold, learned --------------------------------------------------------------------
     def observe(self, size: int, seconds: float) -> None:
         key = max(1, size).bit_length()
         q = self._recent.setdefault(key, deque(maxlen=self.WINDOW))
@@ -138,16 +132,181 @@ class Hedger:
             return None
         return max(self.STALL_FLOOR_S, self.STALL_FACTOR * max(q))
 
-    def _submit(self, send: Callable[[str], T], url: str) -> Future:
+
+class StallWaiter:
+    """A request's `Waiter` that gives it up (``Stalled``) at ``t0 + bound`` (monotonic): the
+    unhedged hops of the direct path, so a frozen replica costs the bound, not the timeout."""
+
+    def __init__(self, bound: float, on_stall: Callable[[float], None] | None = None):
+        self.t0 = time.monotonic()
+        self.until = self.t0 + bound
+        self.on_stall = on_stall
+
+    def wait(self, sock, deadline: float) -> None:
+        now = time.monotonic()
+        if now < self.until and _wait_readable([sock], min(deadline, self.until) - now):
+            return
+        if time.monotonic() >= self.until:
+            if self.on_stall is not None:
+                self.on_stall(time.monotonic() - self.t0)
+            raise Stalled(f"no reply in {self.until - self.t0:.2f}s (8x the slowest recent hop of its size)")
+        # the deadline passed first: the socket's own timeout reports it
+
+
+_PRIMARY, _HEDGE = "primary", "hedge"
+
+
+class _Race:
+    """One hedged hop: the primary request on the caller's thread, the hedge (if sent) on a pool
+    thread. Each side's `Waiter` wakes on its socket or on a pipe the other side writes to when it
+    ends, so the loser gives up at once (``Superseded``) instead of holding a thread or the caller."""
+
+    def __init__(self, hedger: "Hedger", size: int):
+        self.h, self.size = hedger, size
+        self.t0 = time.monotonic()
+        self.threshold, self.stall = hedger.times.threshold(size), hedger.times.stall_bound(size)
+        self.asked = False  # the threshold passed and the budget was asked (once)
+        self.send: Callable[[str, object], object] | None = None
+        self.second = ""
+        self.hedge: Future | None = None
+        self.hedge_t0 = 0.0
+        self.winner: str | None = None
+        self.done = {_PRIMARY: False, _HEDGE: False}
+        self._lock = threading.Lock()
+        self._r = self._w = -1  # the pipe, made when a hedge is sent
+
+    def finish(self, side: str, ok: bool) -> None:
+        with self._lock:
+            if ok and self.winner is None:
+                self.winner = side
+            self.done[side] = True
+            if self._w >= 0:
+                if all(self.done.values()):
+                    os.close(self._r)
+                    os.close(self._w)
+                    self._r = self._w = -1
+                else:
+                    os.write(self._w, b"x")  # wake the other side's waiter
+
+    def start_hedge(self, send: Callable[[str, object], object], second: str) -> None:
+        r, w = os.pipe()
+        self._r, self._w = r, w
+        self.hedge_t0 = time.monotonic()
+        self.h.sent += 1
+        self.hedge = self.h._submit(self._run_hedge, send, second)
+
+    def _run_hedge(self, send: Callable[[str, object], object], url: str) -> object:
+        ok = False
+        try:
+            value = send(url, _Side(self, _HEDGE))
+            ok = True
+            return value
+        finally:
+            self.finish(_HEDGE, ok)
+
+    def wait(self, side: str, sock, deadline: float) -> None:
+        while True:
+            if self.winner is not None and self.winner != side:
+                raise Superseded("the other request of this hedged hop answered first")
+            now = time.monotonic()
+            if side == _PRIMARY:
+                at = [t for t in ((None if self.asked or self.threshold is None else self.t0 + self.threshold),
+                                  (None if self.stall is None else self.t0 + self.stall)) if t is not None]
+            else:
+                at = [] if self.stall is None else [self.hedge_t0 + self.stall]
+            until = min([deadline, *at])
+            pipe = self._pipe_for(side)
+            ready = _wait_readable([sock] if pipe < 0 else [sock, pipe], until - now)
+            if self.winner is not None and self.winner != side:
+                continue  # (raises above)
+            if sock.fileno() in ready:
+                return
+            if ready:
+                continue  # the other side ended: its pipe byte is left unread, so it is watched no more
+            now = time.monotonic()
+            if now >= deadline:
+                return  # the socket's own timeout reports it
+            if side == _HEDGE:
+                if self.stall is not None and now >= self.hedge_t0 + self.stall:
+                    raise Stalled(f"hedge: no reply in {now - self.hedge_t0:.2f}s")
+                continue
+            if self.stall is not None and now >= self.t0 + self.stall:
+                self.h.stalls += 1
+                raise Stalled(f"no reply in {now - self.t0:.2f}s (8x the slowest recent hop of its size)")
+            if not self.asked and self.threshold is not None and now >= self.t0 + self.threshold:
+                self.asked = True
+                if self.hedge is None and self.send is not None and self.h._room() and self.h._take():
+                    self.start_hedge(self.send, self.second)
+
+    def _pipe_for(self, side: str) -> int:
+        other = _HEDGE if side == _PRIMARY else _PRIMARY
+        with self._lock:
+            return self._r if self._r >= 0 and not self.done[other] else -1
+
+
+class _Side:
+    """The `Waiter` of one side of a race."""
+
+    def __init__(self, race: _Race, side: str):
+        self.race, self.side = race, side
+
+    def wait(self, sock, deadline: float) -> None:
+        self.race.wait(self.side, sock, deadline)
+
+
+class Hedger:
+    """Hedged hops over replicas of one thing. The primary request runs on the caller's thread (a
+    hand-off to another thread costs about what a hop on loopback does, more on a loaded machine);
+    only a hedge goes to a small pool of threads, each with its own keep-alive connections
+    (``make_client()`` per thread; the caller's thread has its own too)."""
+
+    def __init__(self, make_client: Callable[[], object], budget_per_s: float = 20.0, threads: int = 4,
+                 clock: Callable[[], float] = time.monotonic, times: HopTimes | None = None):
+        self.make_client = make_client
+        self.budget_per_s = budget_per_s
+        self.clock = clock
+        self.times = times if times is not None else HopTimes()
+        self._tokens = budget_per_s
+        self._last = clock()
+        self._local = threading.local()
+        self._threads = threads
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="larql-hedge")
+        self._busy = 0  # hedges submitted, not finished
+        self._lock = threading.Lock()
+        self.hops = 0
+        self.sent = 0
+        self.won = 0
+        self.stalls = 0  # primaries given up at the stall bound (the caller's failover took the hop)
+
+    def client(self):
+        c = getattr(self._local, "client", None)
+        if c is None:
+            c = self._local.client = self.make_client()
+        return c
+
+    # the learned times (kept here too: tests and the metrics read them through the hedger)
+    def observe(self, size: int, seconds: float) -> None:
+        self.times.observe(size, seconds)
+
+    def threshold(self, size: int) -> float | None:
+        return self.times.threshold(size)
+
+    def stall_bound(self, size: int) -> float | None:
+        return self.times.stall_bound(size)
+
+    def _submit(self, fn: Callable, *args) -> Future:
         with self._lock:
             self._busy += 1
-        f = self._pool.submit(send, url)
+        f = self._pool.submit(fn, *args)
         f.add_done_callback(self._release)
         return f
 
     def _release(self, _f: Future) -> None:
         with self._lock:
             self._busy -= 1
+
+    def _room(self) -> bool:
+        return self._busy < self._threads  # hedges to a stalled replica end at their own stall bound
 
     def _take(self) -> bool:
         now = self.clock()
@@ -159,59 +318,48 @@ class Hedger:
         return False
 
     # -- one hop ---------------------------------------------------------------------------------------
-    def run(self, size: int, primary: str, second: str, send: Callable[[str], T],
+    def run(self, size: int, primary: str, second: str, send: Callable[[str, object], T],
             on_late: Callable[[str, float], None] | None = None) -> tuple[str, T, bool] | None:
-        """``send(url)`` on ``primary``; past the threshold, once, on ``second`` too. Returns (url,
-        value, hedged) of the first success, or None when every request sent failed (the caller then
-        fails over as usual). ``on_late(url, seconds)`` hears how long a losing request took: once
-        when it loses (so far), again when it ends."""
-        if self._busy > self._threads - 2:  # no room for a hop and its hedge: stalled requests hold the pool
-            return None
+        """``send(url, waiter)`` on ``primary``, on this thread; past the threshold (and within the
+        budget), once, on ``second`` too, from the pool. ``send`` passes ``waiter`` to
+        `HttpClient.request` (or calls ``waiter.wait(sock, deadline)`` before each receive). Returns
+        (url, value, hedged) of the first success, or None when every request sent failed or the
+        primary stalled (past the stall bound) unhedged: the caller then fails over as usual.
+        ``on_late(url, seconds)`` hears how long a losing or stalled request had taken."""
         self.hops += 1
-        t0 = time.perf_counter()
-        first = self._submit(send, primary)
-        limit, stall = self.threshold(size), self.stall_bound(size)
+        race = _Race(self, size)
+        race.send, race.second = send, second
+        value: T | None = None
+        ok = False
         try:
-            value = first.result(timeout=limit if limit is not None else stall)
-            self.observe(size, time.perf_counter() - t0)
-            return primary, value, False
-        except TimeoutError:
-            pass
-        except Exception:  # noqa: BLE001 - the primary failed: the caller's failover takes over
+            value = send(primary, _Side(race, _PRIMARY))
+            ok = True
+        except Exception as e:  # noqa: BLE001 - Superseded (the hedge won), Stalled, or the primary failed
+            if isinstance(e, Stalled) and on_late is not None:
+                on_late(primary, time.monotonic() - race.t0)
+        finally:
+            race.finish(_PRIMARY, ok)
+        hedged = race.hedge is not None
+        if ok:
+            if hedged and on_late is not None:  # the hedge lost: as slow as it has been so far
+                on_late(second, time.monotonic() - race.hedge_t0)
+            self.times.observe(size, time.monotonic() - race.t0)
+            return primary, value, hedged  # type: ignore[return-value]
+        if race.hedge is None:
             return None
-        if not self._take():  # out of budget: only a stall is hedged now
-            try:
-                value = first.result(timeout=None if stall is None else max(0.0, stall - (time.perf_counter() - t0)))
-                self.observe(size, time.perf_counter() - t0)
-                return primary, value, False
-            except TimeoutError:
-                pass
-            except Exception:  # noqa: BLE001
-                return None
-        self.sent += 1
-        hedge = self._submit(send, second)
-        urls: dict[Future, str] = {first: primary, hedge: second}
-        pending = set(urls)
-        while pending:
-            done, pending = wait(pending, return_when=FIRST_COMPLETED)
-            for f in done:
-                if f.exception() is None:
-                    if on_late is not None:
-                        for loser in pending:  # slow now (maybe frozen): the next hops go elsewhere
-                            on_late(urls[loser], time.perf_counter() - t0)
-                            loser.add_done_callback(_late(on_late, urls[loser], t0))
-                    if f is hedge:
-                        self.won += 1
-                    self.observe(size, time.perf_counter() - t0)
-                    return urls[f], f.result(), True
-        return None
+        try:
+            value = race.hedge.result()
+        except Exception:  # noqa: BLE001 - the hedge failed too (or stalled): the caller's failover
+            return None
+        if race.winner == _HEDGE and on_late is not None:
+            on_late(primary, time.monotonic() - race.t0)
+        self.won += 1
+        self.times.observe(size, time.monotonic() - race.t0)
+        return second, value, True
 
     def stats(self) -> dict:
-        return {"hops": self.hops, "hedges_sent": self.sent, "hedges_won": self.won, "budget_per_s": self.budget_per_s}
+        return {"hops": self.hops, "hedges_sent": self.sent, "hedges_won": self.won, "stalls": self.stalls,
+                "budget_per_s": self.budget_per_s}
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
-
-
-def _late(on_late: Callable[[str, float], None], url: str, t0: float) -> Callable[[Future], None]:
-    return lambda _f: on_late(url, time.perf_counter() - t0)

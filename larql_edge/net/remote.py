@@ -24,11 +24,12 @@ import numpy as np
 
 from larql_edge.errors import RemoteError, WireError
 from larql_edge.format.layers import gaps
+from larql_edge.model.head import Top
 from larql_edge.net.direct import DirectPath
 from larql_edge.net.failures import is_caller_mistake, is_success
-from larql_edge.net.h1 import ConnectFailed, Reply, TransportError, describe, error_text
+from larql_edge.net.h1 import ConnectFailed, Reply, Superseded, TransportError, describe, error_text
 from larql_edge.net.h1_sync import HttpClient
-from larql_edge.net.hops import Hedger, Hop, HopLog, server_seconds
+from larql_edge.net.hops import Hedger, Hop, HopLog, HopTimes, StallWaiter, server_seconds
 from larql_edge.wire import VINDEX_HEADER
 from larql_edge.wire import embed as embed_wire
 from larql_edge.wire import ffn as ffn_wire
@@ -70,9 +71,10 @@ class Replicas:
     def request(self, urls: Sequence[str], method: str, path: str, *, content: bytes | None = None,
                 headers: dict[str, str] | None = None, about: str = "",
                 decode: Callable[[Reply], T] = lambda r: r,  # type: ignore[assignment,return-value]
-                hop: tuple[str, int | None] | None = None) -> T:
+                hop: tuple[str, int | None] | None = None, waiter: Callable[[str], object] | None = None) -> T:
         """The first replica's decoded reply. ``decode`` raises `WireError` (or `RemoteError`) for a
-        reply it cannot use: like a timeout, that is the replica's failure, and the next one is tried."""
+        reply it cannot use: like a timeout, that is the replica's failure, and the next one is tried.
+        ``waiter(url)``: the `Waiter` of a request to ``url`` (or None), e.g. a stall bound."""
         key = tuple(urls)
         first = self._preferred.get(key)
         order = list(urls)
@@ -86,7 +88,8 @@ class Replicas:
             url = order[attempt % len(order)]
             t0 = time.perf_counter()
             try:
-                r = self.client.request(method, url + path, content=content, headers=headers)
+                r = self.client.request(method, url + path, content=content, headers=headers,
+                                        waiter=None if waiter is None else waiter(url))  # type: ignore[arg-type]
             except TransportError as e:
                 reasons.append(f"{url}: {describe(e)}")
                 if isinstance(e, ConnectFailed):
@@ -216,44 +219,68 @@ class RemoteHead:
         return self.replicas.request(self._urls(), "POST", "/v1/logits", content=body,
                                      headers={"content-type": "application/json"}, decode=decode, hop=("logits", None))
 
-    def top_k_rows(self, h: np.ndarray, k: int,
-                   masks: Sequence[np.ndarray | None] | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
+    def top_k_rows(self, h: np.ndarray, k: int, masks: Sequence[np.ndarray | None] | None = None,
+                   extra: Sequence[np.ndarray | None] | None = None) -> list[Top]:
         """The top ``k`` (ids, log-probabilities at temperature 1) of every row, in ONE request: the
         embed server's many-rows form (binary ``?rows=N``, answered as top-k JSON per row), which its
         batcher multiplies as one lm_head product. larql-serve's head: one request per decode step.
-        ``masks`` (per row None or a token bitmask) go with the rows (``&masked=``), applied before top-k."""
+        ``masks`` (per row None or a token bitmask) go with the rows (``&masked=``), applied before
+        top-k; ``extra`` (per row None or token ids, at most `MAX_EXTRA_IDS`) are asked for whatever
+        their rank (``&extra=``) and follow the top k (`Top`)."""
         rows = np.ascontiguousarray(np.atleast_2d(np.asarray(h, dtype=np.float32)))
         k = max(1, min(k, self.vocab))
         if rows.shape[0] > self.MAX_ROWS:  # the embed server's max_batch (default): more rows, more requests
             return [t for i in range(0, rows.shape[0], self.MAX_ROWS)
                     for t in self.top_k_rows(rows[i : i + self.MAX_ROWS], k,
-                                             None if masks is None else masks[i : i + self.MAX_ROWS])]
+                                             None if masks is None else masks[i : i + self.MAX_ROWS],
+                                             None if extra is None else extra[i : i + self.MAX_ROWS])]
         masked = [i for i, m in enumerate(masks or ()) if m is not None]
+        listed = [i for i, e in enumerate(extra or ()) if e is not None and len(e)]
 
-        def decode(r: Reply) -> list[tuple[np.ndarray, np.ndarray]]:
+        def entries(top: list) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+            ids = np.array([int(t["token_id"]) for t in top], dtype=np.int64)
+            lps = np.array([float(t["logprob"]) for t in top], dtype=np.float64)
+            logits = np.array([float(t["logit"]) for t in top], dtype=np.float64)
+            if ids.size and (ids.min() < 0 or ids.max() >= self.vocab):
+                raise ValueError("a token outside the vocabulary")
+            return ids, lps, logits
+
+        def decode(r: Reply) -> list[Top]:
             try:
-                got = r.json()["rows"]
-                if len(got) != rows.shape[0]:
+                body = r.json()
+                got = body["rows"]
+                more = body["extra"] if listed else [[]] * len(got)
+                if len(got) != rows.shape[0] or len(more) != rows.shape[0]:
                     raise ValueError(f"{len(got)} rows for {rows.shape[0]}")
                 out = []
-                for top in got:
-                    ids = np.array([int(t["token_id"]) for t in top], dtype=np.int64)
-                    lps = np.array([float(t["logprob"]) for t in top], dtype=np.float64)
-                    if ids.size == 0 or ids.min() < 0 or ids.max() >= self.vocab:
-                        raise ValueError("a row names no token, or one outside the vocabulary")
-                    out.append((ids, lps))
+                for top, add in zip(got, more, strict=True):
+                    ids, lps, logits = entries(top)
+                    if ids.size == 0:
+                        raise ValueError("a row names no token")
+                    floor = float(lps[-1]) if ids.size == k and k < self.vocab else float("-inf")
+                    xids, xlps, _ = entries(add)
+                    keep = ~np.isin(xids, ids)
+                    xids, xlps = xids[keep], xlps[keep]
+                    order = np.lexsort((xids, -xlps))
+                    # logit = lp + lse at temperature 1, the same for every token of the row
+                    out.append(Top(np.concatenate([ids, xids[order]]), np.concatenate([lps, xlps[order]]),
+                                   float(np.median(logits - lps)), floor))
             except (ValueError, KeyError, TypeError) as e:
                 raise RemoteError(f"malformed many-rows logits ({e})") from None
             return out
 
+        query = f"/v1/logits?rows={rows.shape[0]}&top_k={k}&temperature=1"
         if masked:
             assert masks is not None
+            query += f"&masked={','.join(map(str, masked))}"
             bits = np.stack([np.asarray(masks[i]).reshape(-1) for i in masked])
-            query = f"/v1/logits?rows={rows.shape[0]}&top_k={k}&temperature=1&masked={','.join(map(str, masked))}"
             content = embed_wire.encode_logits_masked_rows_request(rows, bits)
         else:
-            query = f"/v1/logits?rows={rows.shape[0]}&top_k={k}&temperature=1"
             content = embed_wire.encode_logits_rows_request(rows)
+        if listed:
+            assert extra is not None
+            query += f"&extra={','.join(map(str, listed))}"
+            content += embed_wire.encode_extra_ids([extra[i] for i in listed])  # type: ignore[misc]
         return self.replicas.request(self._urls(), "POST", query, content=content,
                                      headers={"content-type": ffn_wire.CONTENT_TYPE}, decode=decode, hop=("logits", None))
 
@@ -311,7 +338,9 @@ class RemoteFfn:
         self.replicas, self.hidden, self.f16 = replicas, hidden, f16
         self.path = path if path is not None else DirectPath(replicas.client, targets, num_layers, enabled=False)
         self.hedger = hedger
-        replicas.on_success, replicas.on_failure = self.path.succeeded, self.path.failed
+        self.times = hedger.times if hedger is not None else HopTimes()  # the stall bound, hedged or not
+        self._rows = 1  # the rows of the hop in flight (its size: bounds are learned per size)
+        replicas.on_success, replicas.on_failure = self._succeeded, self.path.failed
         self._urls = {layer: [t.url for t in targets if t.serves(layer)] for layer in range(num_layers)}
         self.headers = {"content-type": ffn_wire.CONTENT_TYPE,
                         "accept": ffn_wire.CONTENT_TYPE_F16 if f16 else ffn_wire.CONTENT_TYPE}
@@ -338,30 +367,48 @@ class RemoteFfn:
 
         body = ffn_wire.encode_request(layer, x)
         self.path.hops = self.replicas.hops
+        rows = x2.shape[0]
         direct, fallback = self.path.urls(layer)
         out = None
         if self.hedger is not None and len(direct) >= 2:
-            out = self._hedged(layer, x2.shape[0], body, direct, decode)
+            out = self._hedged(layer, rows, body, direct, decode)
+            if out is None:  # failed or stalled: those are cooling down now, the rest is tried
+                direct, fallback = self.path.urls(layer)
         if out is None:
+            self._rows = rows
             out = self.replicas.request(direct + [u for u in fallback if u not in direct], "POST", "/v1/walk-ffn",
                                         content=body, headers=self.headers, about=f" (layer {layer})", decode=decode,
-                                        hop=("ffn", layer))
+                                        hop=("ffn", layer), waiter=self._stall_waiter)
         self.seconds += time.perf_counter() - t0
         self.calls += 1
         return out
+
+    def _stall_waiter(self, url: str) -> StallWaiter | None:
+        """A request straight to a shard gives up at the stall bound (a frozen replica), and the next
+        replica or a router takes it; a router has its own failover, and waits as long as it must."""
+        bound = self.times.stall_bound(self._rows) if self.path.is_direct(url) else None
+        return None if bound is None else StallWaiter(bound, lambda s: self.path.late(url, s))
+
+    def _succeeded(self, url: str, seconds: float) -> None:
+        self.path.succeeded(url, seconds)
+        if self.path.is_direct(url):  # what a shard takes (routers add their hop): the learned bounds
+            self.times.observe(self._rows, seconds)
 
     def _hedged(self, layer: int, rows: int, body: bytes, urls: list[str],
                 decode: Callable[[Reply], np.ndarray]) -> np.ndarray | None:
         hedger = self.hedger
         assert hedger is not None
 
-        def send(url: str) -> tuple[np.ndarray, float, float | None]:
+        def send(url: str, waiter) -> tuple[np.ndarray, float, float | None]:
             t0 = time.perf_counter()
             try:
-                r = hedger.client().request("POST", url + "/v1/walk-ffn", content=body, headers=self.headers)
+                r = hedger.client().request("POST", url + "/v1/walk-ffn", content=body, headers=self.headers,
+                                            waiter=waiter)
                 if not is_success(r.status_code):
                     raise RemoteError(f"HTTP {r.status_code}")
                 value = decode(r)
+            except Superseded:
+                raise  # the other request answered: no failure of this replica
             except (TransportError, WireError, RemoteError):
                 self.path.failed(url)
                 raise
@@ -372,9 +419,9 @@ class RemoteFfn:
         t0 = time.perf_counter()
         got = hedger.run(rows, urls[0], urls[1], send, on_late=self.path.late)
         if got is None:
-            return None  # every request sent failed: the usual failover (routers included) takes over
+            return None  # every request sent failed, or the primary stalled: the usual failover takes over
         url, (value, _, server), hedged = got
-        if self.replicas.hops is not None:  # the hop as this thread waited for it (hand-offs included)
+        if self.replicas.hops is not None:  # the hop as this thread waited for it
             self.replicas.hops.add(Hop("ffn", layer, url, time.perf_counter() - t0, server, hedged))
         return value
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import ssl
 import tempfile
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from larql_edge.errors import SetupError
 log = logging.getLogger("larql.tls")
 
 PEM_START = "-----BEGIN"
+_HOST_NAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$")
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,7 @@ class TlsSettings:
     key: str | None = None
     ca: str | None = None
     client_ca: str | None = None
+    server_name: str | None = None
 
     @property
     def serving(self) -> bool:
@@ -60,6 +63,9 @@ def add_tls_flags(flags: Flags, server: bool) -> None:
     flags.add("--tls-key", default=None, metavar="PATH", path_twin=True, help="private key (PEM) of --tls-cert")
     flags.add("--tls-ca", default=None, metavar="PATH", path_twin=True,
               help="CA certificate(s) (PEM) that https:// servers are verified against (default: the system's trust store)")
+    flags.add("--tls-server-name", default=None, metavar="NAME",
+              help="verify every https:// server under this name instead of its URL's host (a grid whose "
+                   "members cannot be named in advance, e.g. Swarm tasks: one grid-wide name only the grid's CA issues)")
     if server:
         flags.add("--tls-client-ca", default=None, metavar="PATH", path_twin=True,
                   help="demand client certificates signed by this CA (mutual TLS; needs --tls-cert)")
@@ -70,7 +76,9 @@ def settings_from_args(args: Any) -> TlsSettings:
 
     Raises SetupError with a one-line message (never a key's content)."""
     s = TlsSettings(*(_materialize(getattr(args, f"tls_{n}", None), f"--tls-{n.replace('_', '-')}")
-                      for n in ("cert", "key", "ca", "client_ca")))
+                      for n in ("cert", "key", "ca", "client_ca")), server_name=getattr(args, "tls_server_name", None) or None)
+    if s.server_name is not None and not _HOST_NAME.match(s.server_name):
+        raise SetupError(f"--tls-server-name {s.server_name!r}: not a DNS name")
     if bool(s.cert) != bool(s.key):
         raise SetupError("--tls-cert and --tls-key go together")
     if s.client_ca and not s.cert:
@@ -111,6 +119,15 @@ def _load_ca(ctx: ssl.SSLContext, ca: str, what: str) -> None:
             from None
 
 
+def _load_ca_data(ctx: ssl.SSLContext, pem: str, what: str, path: str) -> None:
+    try:
+        ctx.load_verify_locations(cadata=pem)
+    except (ssl.SSLError, ValueError) as e:
+        raise SetupError(f"{what} {path}: not a PEM CA certificate ({getattr(e, 'reason', None) or e})") from None
+    if not ctx.get_ca_certs():
+        raise SetupError(f"{what} {path}: no CA certificate in the file")
+
+
 def server_context(s: TlsSettings) -> ssl.SSLContext:
     assert s.cert and s.key
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
@@ -143,6 +160,12 @@ def configure_client(s: TlsSettings) -> None:
     _client = make_client_context(s) if (s.ca or s.cert) else None
 
 
+def verify_name(host: str) -> str:
+    """The name an https:// server at ``host`` is verified under (and sent as SNI): ``host`` itself,
+    unless ``--tls-server-name`` names one for every server."""
+    return _client_settings.server_name or host
+
+
 def client_context() -> ssl.SSLContext:
     """The context every https:// connection of this process verifies with."""
     global _client
@@ -152,21 +175,37 @@ def client_context() -> ssl.SSLContext:
 
 
 class Reloader:
-    """Loads ``cert``/``key`` again into each context when asked (SIGHUP) or when the files change.
+    """Loads the files again into the live contexts when asked (SIGHUP) or when they change: the
+    certificate and key into every context, ``--tls-client-ca`` into the server contexts (whose
+    client certificates are checked) and ``--tls-ca`` into the client contexts (whose servers are).
 
-    A failed reload (a half-written file, a key that does not match) keeps the old certificate and
-    says why in the log; the next change tries again."""
+    A failed reload (a half-written file, a key that does not match, a CA file that is not PEM)
+    keeps what is in use and says why in the log; the next change tries again. A CA file is added
+    to what the context trusts: a CA appended to the file (the first step of a rotation) is trusted
+    at once, but one removed from it stays trusted until the process restarts (``ssl`` can add to a
+    context's trust store, not take from it; DESIGN.md §14)."""
 
-    def __init__(self, s: TlsSettings, contexts: list[ssl.SSLContext]):
-        assert s.cert and s.key
+    def __init__(self, s: TlsSettings, contexts: list[ssl.SSLContext],
+                 client_contexts: list[ssl.SSLContext] | tuple = ()):
         self.cert, self.key = s.cert, s.key
-        self.contexts = contexts
+        self.contexts = list(contexts)  # servers: chain + client CA
+        self.client_contexts = list(client_contexts)  # clients: chain + CA
+        self.ca, self.client_ca = s.ca, s.client_ca
         self.reloads = 0
-        self._seen = self._stamp()
+        self.ca_reloads = 0
+        self._seen = self._stamp(self._chain_files())
+        self._seen_ca = {p: self._stamp([p]) for p in self._ca_files()}
 
-    def _stamp(self) -> tuple:
+    def _chain_files(self) -> list[str]:
+        return [p for p in (self.cert, self.key) if p]
+
+    def _ca_files(self) -> list[str]:
+        return [p for p in (self.ca, self.client_ca) if p]
+
+    @staticmethod
+    def _stamp(paths: list[str]) -> tuple:
         out: list[tuple[int, int, int] | None] = []
-        for p in (self.cert, self.key):
+        for p in paths:
             try:
                 st = os.stat(p)
                 out.append((st.st_ino, st.st_size, st.st_mtime_ns))
@@ -175,17 +214,31 @@ class Reloader:
         return tuple(out)
 
     def check(self) -> bool:
-        """Reload if the files changed since the last look; True when a reload took."""
-        stamp = self._stamp()
-        if stamp == self._seen:
-            return False
-        self._seen = stamp
-        return self.reload("the files changed")
+        """Reload what changed since the last look; True when a reload took."""
+        took = False
+        stamp = self._stamp(self._chain_files())
+        if stamp != self._seen:
+            self._seen = stamp
+            took = self._reload_chain("the files changed")
+        for path, seen in self._seen_ca.items():
+            stamp = self._stamp([path])
+            if stamp != seen:
+                self._seen_ca[path] = stamp
+                took = self._reload_ca(path, "the file changed") or took
+        return took
 
     def reload(self, why: str = "SIGHUP") -> bool:
+        """Everything, now (SIGHUP). True when every file loaded."""
+        ok = self._reload_chain(why) if self.cert and self.key else True
+        for path in self._ca_files():
+            ok = self._reload_ca(path, why) and ok
+        return ok
+
+    def _reload_chain(self, why: str) -> bool:
         # A failed load_cert_chain leaves a context holding the new certificate with the old key
         # (every handshake then fails): load a snapshot of the files into a scratch context first,
         # and only a pair that loads there into the live ones.
+        assert self.cert and self.key
         with tempfile.TemporaryDirectory(prefix="larql-tls-") as tmp:
             try:
                 cert, key = os.path.join(tmp, "cert.pem"), os.path.join(tmp, "key.pem")
@@ -196,9 +249,25 @@ class Reloader:
             except (SetupError, OSError) as e:
                 log.error("TLS certificate not reloaded (%s): %s; keeping the one in use", why, e)
                 return False
-            for ctx in self.contexts:
+            for ctx in self.contexts + self.client_contexts:
                 ctx.load_cert_chain(cert, key)
         self.reloads += 1
         log.info("TLS certificate reloaded from %s (%s)", self.cert, why)
         return True
 
+    def _reload_ca(self, path: str, why: str) -> bool:
+        targets = ([c for c in self.contexts] if path == self.client_ca else []) + \
+                  ([c for c in self.client_contexts] if path == self.ca else [])
+        what = "--tls-client-ca" if path == self.client_ca else "--tls-ca"
+        try:
+            with open(path, "rb") as f:
+                pem = f.read().decode("ascii")
+            _load_ca_data(ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT), pem, what, path)  # the whole file, or nothing
+        except (SetupError, OSError, UnicodeDecodeError) as e:
+            log.error("TLS CA not reloaded (%s): %s; keeping the CAs in use", why, e)
+            return False
+        for ctx in targets:
+            ctx.load_verify_locations(cadata=pem)
+        self.ca_reloads += 1
+        log.info("TLS CA reloaded from %s (%s)", path, why)
+        return True

@@ -18,7 +18,7 @@ from larql_edge.net.hops import SERVER_TIMING, server_timing_value
 from larql_edge.wire import VINDEX_HEADER
 
 from ._compute import Compute
-from ._envelope import ErrorBody, install_error_envelope
+from ._envelope import MAX_HEAD_BYTES, ErrorBody, install_error_envelope
 from ._ops import Hooks
 from ._ops import bp as ops_bp
 from .metrics import Metrics
@@ -43,6 +43,7 @@ def make_app(name: str, role: str, hooks: Hooks, *, max_body: int, access_log: b
     (``X-Larql-Vindex``), so a client can refuse to mix two builds of a model in one answer."""
     app = Sanic(name)
     app.config.REQUEST_MAX_SIZE = max_body
+    app.config.REQUEST_MAX_HEADER_SIZE = MAX_HEAD_BYTES  # Sanic's most (8 KB by default): a GET's query string
     app.config.KEEP_ALIVE_TIMEOUT = KEEP_ALIVE_S
     app.config.ACCESS_LOG = access_log
     app.config.MOTD = False

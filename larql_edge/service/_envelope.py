@@ -60,7 +60,46 @@ def allowed_methods(request: Request) -> str:
     return ", ".join(allowed)
 
 
+# Sanic's cap on a request's head (request line and headers), at its most: 16 KB. A GET's query string
+# lives there, so a long ``?text=`` cannot be read whatever a route's own limit; that route's POST form
+# takes it in the body.
+MAX_HEAD_BYTES = 16384
+_HEAD_TOO_LARGE = "Request header exceeds the size limit"  # Sanic's message (http1_request_header)
+
+
+def head_too_large(request: Request | None, limit: int) -> tuple[int, str]:
+    """The status and message for a request head over ``limit`` bytes: 414 when the request line
+    (the URL) alone is over it, else 431 (RFC 9110 §15.5.15, RFC 6585 §5), naming the POST form of
+    the route when it has one. Sanic raised this before the request was parsed: the start of the
+    request line is still in the connection's buffer."""
+    buf = bytes(getattr(getattr(request, "stream", None), "recv_buffer", b"") or b"")
+    line = buf.split(b"\r\n", 1)
+    uri_too_long = len(line) == 1 or len(line[0]) >= limit
+    parts = line[0][:2048].split(b" ")
+    method = parts[0].decode("latin-1") if parts and parts[0].isalpha() else ""
+    path = parts[1].split(b"?", 1)[0].decode("latin-1", "replace") if len(parts) > 1 else ""
+    what = "request line (the URL)" if uri_too_long else "request head (request line and headers)"
+    msg = f"the {what} is over {limit} bytes, more than this server reads"
+    post = False
+    if request is not None and path.startswith("/") and method != "POST":
+        try:
+            request.app.router.get(path, "POST", None)
+            post = True
+        except SanicException:
+            pass
+    if post:
+        msg += f": send it as POST {path[:200]} with a JSON body (the route's published limits apply there)"
+    elif uri_too_long:
+        msg += ": shorten the query string"
+    return (414 if uri_too_long else 431), msg
+
+
 def response_for(exc: BaseException, request: Request | None, body: ErrorBody | None = None) -> HTTPResponse:
+    if isinstance(exc, SanicException) and getattr(exc, "status_code", None) == 413 and str(exc) == _HEAD_TOO_LARGE:
+        # Sanic's effective bound (a class attribute: the least of the head size and the body limit)
+        limit = int(getattr(getattr(request, "stream", None), "HEADER_MAX_SIZE", 0) or MAX_HEAD_BYTES)
+        status, msg = head_too_large(request, limit)
+        return error_response(status, msg, None, body, exc)
     if isinstance(exc, LarqlError):
         headers = None
         if isinstance(exc, TooManyRequests):

@@ -35,7 +35,7 @@ from sanic.response import HTTPResponse, json
 from larql_edge.config import Flags
 from larql_edge.errors import LarqlError, ProtocolError, Unauthorized
 from larql_edge.format.layers import LayerRange
-from larql_edge.net.tls import client_context
+from larql_edge.net.tls import client_context, verify_name
 from larql_edge.service.identity import rss_bytes
 from larql_edge.wire.grid import HEARTBEAT, JOIN, LEAVE, check_url
 
@@ -171,8 +171,7 @@ class RouterLink:
 
     @property
     def _extensions(self) -> dict:
-        name = SERVER_NAMES.get(self.router)
-        return {"sni_hostname": name} if name and self.router.startswith("https:") else {}
+        return _tls_extensions(self.router)
 
     async def _post(self, path: str, body: dict, timeout: float | None = None) -> httpx.Response:
         assert self._client is not None
@@ -312,10 +311,8 @@ class Membership:
         routers = list(self.links)
         async with httpx.AsyncClient(timeout=2.0, verify=client_context()) as c:
             async def replicas(url: str) -> tuple[int, int] | None:
-                name = SERVER_NAMES.get(url)
-                ext = {"sni_hostname": name} if name and url.startswith("https:") else {}
                 try:
-                    r = await c.get(url + "/v1/grid", extensions=ext)
+                    r = await c.get(url + "/v1/grid", extensions=_tls_extensions(url))
                     return _replicas_besides(r.json(), self.capability, mine, me)
                 except (httpx.HTTPError, LarqlError, ValueError, KeyError, TypeError, AttributeError):
                     return None
@@ -374,6 +371,15 @@ class _Refused(Exception):
 
 class _Busy(Exception):
     """Control flow inside a link's loop: the router still has our URL from an earlier join."""
+
+
+def _tls_extensions(router: str) -> dict:
+    """Over https a router is verified under the name its address came from, or --tls-server-name."""
+    if not router.startswith("https:"):
+        return {}
+    host = urlsplit(router).hostname or ""
+    name = verify_name(SERVER_NAMES.get(router, host))
+    return {"sni_hostname": name} if name != host else {}
 
 
 def _replicas_besides(view: dict, capability: str, mine: dict, me: str) -> tuple[int, int]:

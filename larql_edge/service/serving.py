@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import sys
 from collections.abc import Callable
@@ -12,7 +13,7 @@ from functools import partial
 
 from sanic import Sanic
 
-from larql_edge.config import Flags, export_blas_threads
+from larql_edge.config import Flags, export_blas_threads, kernel_threads
 from larql_edge.errors import SetupError
 from larql_edge.net.tls import Reloader, TlsSettings, add_tls_flags, client_context, server_context
 from larql_edge.service._app import DRAIN_S
@@ -38,10 +39,21 @@ def add_server_flags(flags: Flags, port: int, workers: bool = False) -> None:
 
 
 def pin_blas(threads: int | None) -> None:
-    """Limit BLAS/OpenMP threads now (threadpoolctl) and for any process we start (env)."""
+    """Limit BLAS/OpenMP threads now (threadpoolctl) and for any process we start (env), and the
+    compact kernels' threads with them (one knob, one pool: ``--blas-threads 1`` means one thread of
+    products per process) unless ``LARQL_KERNEL_THREADS`` names its own count.
+
+    Why the kernels follow: the roles of a grid share the machine; a product split over two threads
+    on a busy 2-core box waits for the second thread to be scheduled (measured: a 1-row lm_head 8 ms on
+    one thread, 23 ms on two, load ~11; docs/DESIGN.md §9)."""
     if not threads or threads <= 0:
         return
     export_blas_threads(threads)
+    if kernel_threads() is None:
+        os.environ["LARQL_KERNEL_THREADS"] = str(threads)  # read by the kernels' first product, and children's
+        kernels = sys.modules.get("larql_edge.model.kernels")  # not imported here: the router has no kernels
+        if kernels is not None:
+            kernels.set_threads(threads)
     from threadpoolctl import threadpool_limits
 
     threadpool_limits(threads)
@@ -72,11 +84,15 @@ def serve(factory: Callable[[], Sanic], host: str, port: int, workers: int = 1, 
             raise SetupError("TLS with --workers > 1 is not supported: run one worker per process")
         app = factory()
         ctx = server_context(tls)
-        _install_reload(app, Reloader(tls, [ctx, client_context()]))
+        _install_reload(app, Reloader(tls, [ctx], [client_context()]))
         app.run(host=host, port=port, single_process=True, access_log=access_log, motd=False, ssl=ctx)
         return
     if workers <= 1:
-        factory().run(host=host, port=port, single_process=True, access_log=access_log, motd=False)
+        app = factory()
+        if tls is not None and tls.ca:
+            # plain HTTP here, https:// upstreams: their CA file is still watched
+            _install_reload(app, Reloader(tls, [], [client_context()]))
+        app.run(host=host, port=port, single_process=True, access_log=access_log, motd=False)
         return
     from sanic.worker.loader import AppLoader
 
@@ -87,7 +103,8 @@ def serve(factory: Callable[[], Sanic], host: str, port: int, workers: int = 1, 
 
 
 def _install_reload(app: Sanic, reloader: Reloader) -> None:
-    """SIGHUP reloads at once; a poll catches renewed files. Either way only new connections see it."""
+    """SIGHUP reloads at once; a poll catches renewed files (certificate, key and CA files). Either
+    way only new connections see it."""
     app.ctx.tls_reloader = reloader
 
     async def poll() -> None:

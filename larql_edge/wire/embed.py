@@ -8,7 +8,11 @@
   ``f32[N * vocab]`` (or top-k JSON per row). With ``&masked=i,j,..`` (rows of that request, ascending)
   the residuals are followed by one token bitmask per listed row, ``u32[ceil(vocab / 32)]`` each
   (bit ``t % 32`` of word ``t // 32`` set: token t allowed; the layout of llguidance's and xgrammar's
-  bitmasks), applied to the row's logits before top-k (structured output).
+  bitmasks), applied to the row's logits before top-k (structured output). With ``&extra=i,j,..``
+  (rows, ascending) the body ends with one token-id list per listed row, ``u32 n, u32 ids[n]``
+  (n <= `MAX_EXTRA_IDS`): the top-k JSON answer then also carries those ids' log-probabilities and
+  logits (``"extra"``, one list per row), whatever their rank (larql-serve's ``logit_bias`` and
+  penalties that raise a token).
 
 Decoders return numpy views of the body where they can (no copy) and raise `WireError` for any
 body whose length disagrees with its header or its element size.
@@ -138,17 +142,51 @@ def encode_logits_masked_rows_request(rows: np.ndarray, masks: np.ndarray) -> by
     return encode_logits_rows_request(rows) + np.ascontiguousarray(m).view(U32).astype(U32, copy=False).tobytes()
 
 
-def decode_logits_masked_rows_request(body: bytes, rows: int, hidden: int, masked: int,
-                                      vocab: int) -> tuple[np.ndarray, np.ndarray]:
-    """-> (``f32[rows, hidden]`` residuals, ``u32[masked, words]`` bitmasks)."""
+MAX_EXTRA_IDS = 1024  # ids per row of ?extra=: a longer list is cheaper as the whole row (raw logits)
+
+
+def encode_extra_ids(lists: Sequence[Sequence[int] | np.ndarray]) -> bytes:
+    """The ``?extra=`` section: ``u32 n, u32 ids[n]`` per listed row, in the order the rows are listed."""
+    out = []
+    for ids in lists:
+        a = np.asarray(ids, dtype=np.int64).reshape(-1)
+        if a.size > MAX_EXTRA_IDS or (a.size and (a.min() < 0 or a.max() > 0xFFFFFFFF)):
+            raise WireError(f"extra ids: at most {MAX_EXTRA_IDS} u32 token ids per row")
+        out += [_HEADER_1.pack(a.size), a.astype(U32).tobytes()]
+    return b"".join(out)
+
+
+def decode_logits_rows_sections(body: bytes, rows: int, hidden: int, masked: int, extra: int,
+                                vocab: int) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
+    """A many-rows body with its optional sections -> (``f32[rows, hidden]`` residuals, ``u32[masked,
+    words]`` bitmasks, ``extra`` arrays of token ids (each < vocab, at most `MAX_EXTRA_IDS`))."""
     _aligned(body, "logits rows request")
     words = mask_words(vocab)
-    want = 4 * (rows * hidden + masked * words)
-    if len(body) != want:
-        raise WireError(f"logits rows request: {len(body)} bytes, expected {rows} rows x hidden size {hidden} f32 and "
-                        f"{masked} token masks of {words} u32 words ({want} bytes)")
+    fixed = 4 * (rows * hidden + masked * words)
+    what = f"{rows} rows x hidden size {hidden} f32" + (f", {masked} token masks of {words} u32 words" if masked else "")
+    if len(body) < fixed or (not extra and len(body) != fixed):
+        raise WireError(f"logits rows request: {len(body)} bytes, expected {what} ({fixed} bytes)"
+                        + (" and the extra ids" if extra else ""))
     x = np.frombuffer(body, dtype=F32, count=rows * hidden).reshape(rows, hidden)
-    return x, np.frombuffer(body, dtype=U32, offset=4 * rows * hidden).reshape(masked, words)
+    bits = np.frombuffer(body, dtype=U32, offset=4 * rows * hidden, count=masked * words).reshape(masked, words)
+    lists: list[np.ndarray] = []
+    at = fixed
+    for i in range(extra):
+        if len(body) < at + 4:
+            raise WireError(f"logits rows request: the extra ids end after {i} of {extra} lists")
+        (n,) = _HEADER_1.unpack_from(body, at)
+        if n > MAX_EXTRA_IDS:
+            raise WireError(f"logits rows request: extra list {i} holds {n} ids, at most {MAX_EXTRA_IDS}")
+        if len(body) < at + 4 + 4 * n:
+            raise WireError(f"logits rows request: extra list {i} says {n} ids, the body ends first")
+        ids = np.frombuffer(body, dtype=U32, offset=at + 4, count=n)
+        if n and int(ids.max()) >= vocab:
+            raise WireError(f"logits rows request: extra list {i} names token {int(ids.max())}, vocabulary is {vocab}")
+        lists.append(ids)
+        at += 4 + 4 * n
+    if at != len(body):
+        raise WireError(f"logits rows request: {len(body) - at} bytes after the {extra} extra id lists")
+    return x, bits, lists
 
 
 def allowed_tokens(masks: np.ndarray, vocab: int) -> np.ndarray:

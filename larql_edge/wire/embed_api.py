@@ -183,12 +183,16 @@ class EmbedApi:
             "Structured output: with ?masked=i,j (binary, with ?rows=N) the residuals are followed by one token bitmask "
             "per listed row, u32[ceil(vocab / 32)] (bit t % 32 of word t // 32 set: token t allowed); a masked row's "
             "other tokens are -inf before its top k (so fewer than top_k may be answered), log-probabilities are over "
-            "the allowed tokens.",
+            "the allowed tokens. Candidates beyond the top k: with ?extra=i,j (binary, with ?rows=N) the body ends with a "
+            "token-id list per listed row, u32 n then u32 ids[n] (n <= 1024); the top-k JSON answer then has \"extra\", "
+            "one list per row of {token_id, logprob, logit} for those ids (ids a row's mask disallows left out).",
             "parameters": [
                 _q("rows", "Binary requests: the body holds this many residuals (the many-rows form)",
                    {"type": "integer", "minimum": 1, "maximum": int(self.limits.get("max_batch", 64))}),
                 _q("masked", "Binary many-rows requests: the rows (ascending, comma-separated) whose token bitmasks "
                    "follow the residuals", {"type": "string", "pattern": "^[0-9]+(,[0-9]+)*$"}),
+                _q("extra", "Binary many-rows requests answered as top-k JSON: the rows (ascending, comma-separated) "
+                   "whose token-id lists end the body", {"type": "string", "pattern": "^[0-9]+(,[0-9]+)*$"}),
                 _q("top_k", "Binary requests (a JSON body's top_k wins)", dict(self.top_k(), default=5)),
                 _q("temperature", "Binary requests (a JSON body's temperature wins)", dict(self.temperature(), default=1.0)),
             ],
@@ -207,10 +211,12 @@ class EmbedApi:
             "summary": "Text to token ids",
             "operationId": "encode",
             "parameters": [
-                _q("text", "The text (may be empty)", self.text(), required=True),
+                _q("text", "The text (may be empty). The URL is read up to 16 KB (the server's request head "
+                   "limit); a longer text goes in the POST form's body", self.text(), required=True),
                 _q("add_special_tokens", "Add the model's BOS etc. (default false)", query_flag),
             ],
-            "responses": {"200": ok("Token ids", ref("EncodeResponse")), **ERRORS},
+            "responses": {"200": ok("Token ids", ref("EncodeResponse")), **ERRORS,
+                          "414": err("The URL is over 16 KB: send the text with POST /v1/token/encode")},
         }
         enc_post = {
             "summary": "Text (or a batch of texts) to token ids",
@@ -321,6 +327,12 @@ class EmbedApi:
                 "properties": {
                     "rows": {"type": "array", "items": {"type": "array", "items": {"type": "object"}},
                              "description": "Per row, its top-k list (the items of LogitsResponse's top_k)"},
+                    "extra": {"type": "array", "items": {"type": "array", "items": {
+                        "type": "object", "required": ["token_id", "logprob", "logit"],
+                        "properties": {"token_id": {"type": "integer", "minimum": 0}, "logprob": number,
+                                       "logit": number}}},
+                              "description": "With ?extra=: per row, the listed ids' log-probabilities and logits "
+                                             "(empty for a row not listed)"},
                     "model": {"type": "string"},
                     "temperature": number,
                     "greedy": {"type": "boolean"},

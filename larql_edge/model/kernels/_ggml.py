@@ -56,6 +56,11 @@ class _TypeTraits(C.Structure):  # struct ggml_type_traits (ggml.h)
     ]
 
 
+class ThreadpoolParams(C.Structure):  # struct ggml_threadpool_params (ggml.h; GGML_MAX_N_THREADS 512)
+    _fields_ = [("cpumask", C.c_bool * 512), ("n_threads", C.c_int), ("prio", C.c_int), ("poll", C.c_uint32),
+                ("strict_cpu", C.c_bool), ("paused", C.c_bool)]
+
+
 _TP = C.POINTER(_Tensor)
 _TO_FLOAT = C.CFUNCTYPE(None, C.c_void_p, C.c_void_p, C.c_int64)
 _CPU_FEATURES = ("avx", "avx2", "fma", "f16c", "avx512", "avx512_vnni", "avx_vnni", "neon", "dotprod",
@@ -96,6 +101,7 @@ class _Lib:
         c.ggml_graph_plan.restype, c.ggml_graph_plan.argtypes = _CPlan, [C.c_void_p, C.c_int, C.c_void_p]
         c.ggml_graph_compute.restype, c.ggml_graph_compute.argtypes = C.c_int, [C.c_void_p, C.POINTER(_CPlan)]
         c.ggml_cpu_init()
+        self._bind_graph_api()
         if C.sizeof(_Tensor) + 32 > b.ggml_tensor_overhead() + 32 or C.sizeof(_Tensor) != 336:
             raise KernelError(f"libggml {self.version}: struct ggml_tensor is not the layout this binding knows")
         self.to_float = {}
@@ -105,6 +111,37 @@ class _Lib:
                 self.to_float[name] = _TO_FLOAT(tr.to_float)
         self.features = {f: bool(getattr(c, f"ggml_cpu_has_{f}")()) for f in _CPU_FEATURES
                          if hasattr(c, f"ggml_cpu_has_{f}")}
+
+    def _bind_graph_api(self) -> None:
+        """The ops a whole decode step is built from (`larql_edge.model.graph`), ggml's allocator and
+        its persistent thread pool."""
+        b, c = self.base, self.cpu
+        V, I64, F, I = C.c_void_p, C.c_int64, C.c_float, C.c_int
+        sig = {
+            "ggml_new_tensor_1d": [V, I, I64], "ggml_new_tensor_3d": [V, I, I64, I64, I64],
+            "ggml_add": [V, _TP, _TP], "ggml_mul": [V, _TP, _TP], "ggml_rms_norm": [V, _TP, F],
+            "ggml_rope_ext": [V, _TP, _TP, _TP, I, I, I, F, F, F, F, F, F],
+            "ggml_soft_max_ext": [V, _TP, _TP, F, F], "ggml_geglu_split": [V, _TP, _TP],
+            "ggml_swiglu_split": [V, _TP, _TP], "ggml_scale": [V, _TP, F], "ggml_tanh": [V, _TP],
+            "ggml_cpy": [V, _TP, _TP], "ggml_cont_2d": [V, _TP, I64, I64], "ggml_reshape_3d": [V, _TP, I64, I64, I64],
+            "ggml_view_2d": [V, _TP, I64, I64, C.c_size_t, C.c_size_t],
+            "ggml_view_3d": [V, _TP, I64, I64, I64, C.c_size_t, C.c_size_t, C.c_size_t],
+            "ggml_permute": [V, _TP, I, I, I, I], "ggml_transpose": [V, _TP], "ggml_pad": [V, _TP, I, I, I, I],
+        }
+        for name, args in sig.items():
+            f = getattr(b, name)
+            f.restype, f.argtypes = _TP, args
+        b.ggml_set_output.argtypes = [_TP]
+        b.ggml_graph_n_nodes.restype, b.ggml_graph_n_nodes.argtypes = C.c_int, [V]
+        b.ggml_backend_cpu_buffer_type.restype = V
+        b.ggml_gallocr_new.restype, b.ggml_gallocr_new.argtypes = V, [V]
+        b.ggml_gallocr_free.argtypes = [V]
+        b.ggml_gallocr_alloc_graph.restype, b.ggml_gallocr_alloc_graph.argtypes = C.c_bool, [V, V]
+        b.ggml_gallocr_get_buffer_size.restype, b.ggml_gallocr_get_buffer_size.argtypes = C.c_size_t, [V, C.c_int]
+        b.ggml_threadpool_params_default.restype = ThreadpoolParams
+        b.ggml_threadpool_params_default.argtypes = [C.c_int]
+        c.ggml_threadpool_new.restype, c.ggml_threadpool_new.argtypes = V, [C.POINTER(ThreadpoolParams)]
+        c.ggml_threadpool_free.argtypes = [V]
 
     def info(self) -> dict:
         return {

@@ -4,12 +4,12 @@ One residual costs a matrix-vector product that streams the whole lm_head from m
 n residuals streams it once for all n (``x[n, hidden] @ W.T``), so under concurrency the batch
 answers many requests for little more than the price of one.
 
-- A request arriving while nothing is computing waits for company: the wait ends as soon as
-  ``GAP`` (1 ms) passes with no new arrival, and never lasts more than ``max_wait``
-  (``--batch-wait-ms``). A lone request pays about a millisecond; a burst of concurrent requests
-  is gathered whole. Then the batch (at most ``max_batch`` rows) goes to the executor.
-- Requests arriving while a batch computes queue up and form the next batch as soon as it ends,
-  without waiting again: under load the wait is never paid.
+- A request arriving while nothing is computing starts its product at once (the default,
+  ``--batch-wait-ms 0``): requests arriving while a batch computes queue up and form the next batch
+  as soon as it ends, so under load batches form without anyone waiting. With ``--batch-wait-ms``
+  above 0 an idle batcher waits for company until ``GAP`` (1 ms) passes with no new arrival, at most
+  that long. Why not wait by default: a lone request (and larql-serve's one request per decode step,
+  which never has company) paid the gap, and on a busy machine ``sleep(1 ms)`` lasts several.
 - The product and every request's post-processing run in the app's compute thread, so the event
   loop keeps serving embeddings and health checks meanwhile, and products never compete for BLAS.
 - A many-rows request (`submit_rows`: larql-serve's one logits request for every sequence of a
@@ -37,7 +37,7 @@ class LogitsBatcher:
         compute: Callable[[np.ndarray], np.ndarray],
         executor: Compute,
         max_batch: int = 64,
-        max_wait: float = 0.002,
+        max_wait: float = 0.0,
         on_batch: Callable[[int, float], None] | None = None,
     ):
         if max_batch < 1:

@@ -27,7 +27,7 @@ class Limits:
     max_body: int = 1 << 20  # bytes of a request body (413 above)
     max_top_k: int = 1000  # top_k of /v1/logits (also never above the vocabulary)
     max_text_chars: int = 100_000  # characters per text to encode
-    batch_wait_ms: float = 5.0  # longest wait of an idle logits batcher for company (ends after 1 ms without arrivals)
+    batch_wait_ms: float = 0.0  # longest wait of an idle logits batcher for company (0: none; see batcher.py)
     max_batch: int = 64  # residuals per lm_head product
 
     def as_json(self) -> dict:

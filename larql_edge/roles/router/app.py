@@ -37,6 +37,10 @@ class Limits:
     # (26,214 row-layers on Gemma) takes ~5-11 s on a loaded 2-core machine, which a flat 10 s
     # turned into a "member failed" for a request the member was serving correctly.
     upstream_ms_per_row: float = 1.0
+    # Past the deadline above, a member that still heartbeats is not failed (slow is not broken):
+    # the request moves to another live replica, or without one is waited for up to this long
+    # (under RESPONSE_TIMEOUT_S, so the router's reply is always its own).
+    upstream_max_wait: float = 600.0
 
     def hop_timeout(self, row_layers: int) -> float:
         """Seconds the router waits for a member's reply to a request of ``row_layers`` rows x layers."""
@@ -46,7 +50,7 @@ class Limits:
         return {"max_body_bytes": self.max_body, "max_reply_bytes": self.max_reply_bytes,
                 "max_layers_per_request": "the model's layers, each named once",
                 "max_grid_body_bytes": self.max_grid_body, "upstream_timeout_s": self.upstream_timeout,
-                "upstream_ms_per_row_layer": self.upstream_ms_per_row}
+                "upstream_ms_per_row_layer": self.upstream_ms_per_row, "upstream_max_wait_s": self.upstream_max_wait}
 
 
 class RouterMetrics(Metrics):
@@ -56,6 +60,8 @@ class RouterMetrics(Metrics):
         super().__init__("router")
         self.upstream = self.histogram("upstream_duration_seconds", "time of one request to a member", ["capability"])
         self.failures = self.counter("upstream_failures", "requests a member failed", ["capability", "reason"])
+        self.slow = self.counter("upstream_slow", "replies past their deadline from members still heartbeating "
+                                 "(moved to another replica, or waited for: not failures)", ["capability", "outcome"])
         self.retries = self.counter("retries", "requests re-routed to another replica")
         self.joins = self.counter("membership", "join/heartbeat/leave outcomes", ["route", "result"])
         self.evictions = self.counter("evictions", "members evicted for missing heartbeats")
@@ -72,7 +78,7 @@ def create_app(registry: Registry, grid_key: str, limits: Limits | None = None, 
         return {"mode": "router", "model": v["model"], "num_layers": v["num_layers"], "layers": v["num_layers"],
                 "hidden_size": v["hidden_size"], **v["facts"],
                 "members": len(v["members"]), "gaps": v["gaps"], "complete": v["complete"],
-                "inflight": upstream.inflight, "memory_mb": round(rss_bytes() / 2**20, 1), "limits": limits.as_json()}
+                "inflight": upstream.inflight, "slow_replies": upstream.slow, "memory_mb": round(rss_bytes() / 2**20, 1), "limits": limits.as_json()}
 
     def ready() -> dict:
         # Ready = accepting joins and requests. Whether every layer is served is /v1/grid's
@@ -85,10 +91,10 @@ def create_app(registry: Registry, grid_key: str, limits: Limits | None = None, 
     app = make_app(name, "router", hooks, max_body=limits.max_body, metrics=metrics)
     app.ctx.registry = registry
     app.ctx.grid_key = grid_key.encode()
-    app.ctx.limits = limits
     # The pool opens connections lazily, inside the server's loop: it can be made before the server.
     app.ctx.limits = limits
-    app.ctx.upstream = upstream = Upstream(registry, limits.upstream_timeout, metrics, max_reply=limits.max_reply_bytes + (1 << 16))
+    app.ctx.upstream = upstream = Upstream(registry, limits.upstream_timeout, metrics, max_reply=limits.max_reply_bytes + (1 << 16),
+                                           max_wait=limits.upstream_max_wait)
     for bp in (grid_bp, walk_bp, embed_bp):
         app.blueprint(bp)
 

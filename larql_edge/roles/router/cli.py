@@ -34,6 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
     f.add("--upstream-timeout", type=float, default=d.upstream_timeout, help="seconds to wait for a member's reply")
     f.add("--upstream-ms-per-row", type=float, default=d.upstream_ms_per_row,
           help="milliseconds added to --upstream-timeout per row x layer a request asks a member to compute")
+    f.add("--upstream-max-wait", type=float, default=d.upstream_max_wait,
+          help="seconds a member that still heartbeats is waited for past that deadline when no other replica "
+               "can answer (slow is not failed; a static member's deadline is a failure)")
     f.add("--max-body", type=int, default=d.max_body, help="largest walk-ffn request body in bytes (413 above)")
     f.add("--max-reply-bytes", type=int, default=d.max_reply_bytes,
           help="largest reply one walk-ffn request may ask for (rows x layers x hidden x 4; 413 above)")
@@ -49,8 +52,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--grid-key is required (or --grid-key-file, LARQL_GRID_KEY, LARQL_GRID_KEY_FILE)")
     if args.heartbeat_interval <= 0 or (args.evict_after is not None and args.evict_after <= 0):
         parser.error("--heartbeat-interval and --evict-after must be positive")
-    if args.upstream_timeout <= 0 or args.max_body < 1 or args.max_reply_bytes < 1 or args.upstream_ms_per_row < 0:
-        parser.error("--upstream-timeout, --max-body and --max-reply-bytes must be positive, --upstream-ms-per-row >= 0")
+    if (args.upstream_timeout <= 0 or args.max_body < 1 or args.max_reply_bytes < 1 or args.upstream_ms_per_row < 0
+            or args.upstream_max_wait <= 0):
+        parser.error("--upstream-timeout, --upstream-max-wait, --max-body and --max-reply-bytes must be positive, "
+                     "--upstream-ms-per-row >= 0")
     try:
         tls = tls_settings(args)
         shards = parse_targets(args.shards, "--shards")
@@ -68,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     for url in embeds:
         registry.add_static("embed", url)
     limits = Limits(max_body=args.max_body, max_reply_bytes=args.max_reply_bytes, upstream_timeout=args.upstream_timeout,
-                    upstream_ms_per_row=args.upstream_ms_per_row)
+                    upstream_ms_per_row=args.upstream_ms_per_row, upstream_max_wait=args.upstream_max_wait)
     log.info("larql-router listening on %s://%s:%d (%d static shards, %d static embed)",
              "https" if tls.serving else "http", args.host, args.port, len(shards), len(embeds))
     serve(lambda: create_app(registry, args.grid_key, limits), args.host, args.port, access_log=args.access_log,

@@ -44,7 +44,8 @@ async def _forward(request: Request, path: str) -> HTTPResponse:
         m = cands[0]
         try:
             r = await upstream.send(m, request.method, path, content=request.body or None,
-                                    headers=headers, params=request.query_string, proxied=True)
+                                    headers=headers, params=request.query_string, proxied=True,
+                                    elsewhere=len(cands) > 1 and cands[1].available(registry.clock()))
         except MemberFailed as e:
             tried.add(m.id)
             reasons.append(e.reason)

@@ -171,6 +171,8 @@ def openapi_spec(deployment: dict | None = None) -> dict:
                 "gaps": {"type": "array", "items": string},
                 "complete": {"type": "boolean"},
                 "inflight": integer,
+                "slow_replies": {**integer, "description": "replies later than their deadline from members still "
+                                 "heartbeating: moved to another replica or waited for, never counted as failures"},
                 "memory_mb": number,
                 "limits": {
                     "type": "object",
@@ -178,7 +180,8 @@ def openapi_spec(deployment: dict | None = None) -> dict:
                     "required": ["max_body_bytes", "max_reply_bytes", "max_layers_per_request", "max_grid_body_bytes",
                                  "upstream_timeout_s"],
                     "properties": {"max_body_bytes": integer, "max_reply_bytes": integer, "max_layers_per_request": string,
-                                   "max_grid_body_bytes": integer, "upstream_timeout_s": number},
+                                   "max_grid_body_bytes": integer, "upstream_timeout_s": number,
+                                   "upstream_ms_per_row_layer": number, "upstream_max_wait_s": number},
                 },
             },
         },

@@ -4,6 +4,14 @@ What counts as a member's failure is `larql_edge.net.failures` (shared with the 
 failure cools the member down in the registry (eviction follows if it keeps failing) and raises
 `MemberFailed`, so the caller retries on another replica; the caller's own mistakes come back as
 replies. Replies are bounded in size (an oversize one is the member's failure, read no further).
+
+Slow is not failed (#19, DESIGN.md §10). A joined member proves it is alive by heartbeating, so a
+reply later than its hop deadline is not evidence against it (under the router's own load, or a
+legal huge request on a busy host, a healthy shard is simply slow): past the deadline the request
+moves to another live replica if the caller says there is one (`MemberSlow`, no cooldown), and
+otherwise keeps waiting, up to ``max_wait``. Only silence (no heartbeat), no connection, a bad
+status or a bad reply fails a joined member. A static member has no heartbeat to prove it alive:
+its deadline is a failure, as before.
 """
 
 from __future__ import annotations
@@ -34,31 +42,44 @@ class MemberFailed(Exception):
         self.reason = reason
 
 
+class MemberSlow(MemberFailed):
+    """A live member past its hop deadline while another replica could answer: the request moves
+    there. Not a failure of the member (no cooldown, no failure counted)."""
+
+
 class Upstream:
-    def __init__(self, registry: Registry, timeout: float, metrics=None, max_reply: int = 64 << 20):
+    def __init__(self, registry: Registry, timeout: float, metrics=None, max_reply: int = 64 << 20,
+                 max_wait: float = 600.0):
         self.registry = registry
         # Connect fails fast on loopback/LAN (refused or unreachable); reads may take a long prefill.
         self.pool = H1Pool(timeout=timeout, connect_timeout=min(2.0, timeout))
         self.max_reply = max_reply
+        self.max_wait = max_wait  # the longest a live (heartbeating) member is waited for
         self.metrics = metrics
         self.inflight = 0  # requests to members awaiting their reply (larql_router_inflight)
+        self.slow = 0  # replies past their deadline from live members (waited for, or moved: not failures)
 
     async def close(self) -> None:
         await self.pool.aclose()
 
     async def send(self, m: Member, method: str, path: str, *, content: bytes | None = None,
                    headers: dict[str, str] | None = None, params: str = "", proxied: bool = False,
-                   timeout: float | None = None) -> Reply:
+                   timeout: float | None = None, elsewhere: bool = False) -> Reply:
         """One request to one member: a success or the caller's mistake comes back; anything else
-        raises MemberFailed (a failure another replica may not have)."""
+        raises MemberFailed (a failure another replica may not have). ``timeout``: the hop's
+        deadline; ``elsewhere``: another live replica could answer this (then a live member past
+        the deadline raises `MemberSlow`; without one it is waited for, up to ``max_wait``)."""
         url = m.url + path + (f"?{params}" if params else "")
+        deadline = timeout or self.pool.timeout
         m.inflight += 1
         self.inflight += 1
         t0 = time.perf_counter()
         try:
             call = self.pool.request(method, url, content=content, headers=headers, max_body=self.max_reply,
-                                     timeout=timeout)
-            r = await (call if m.static else self._unless_silent(m, call))
+                                     timeout=deadline if m.static else max(deadline, self.max_wait))
+            r = await (call if m.static else self._unless_silent(m, call, deadline, elsewhere))
+        except MemberSlow:
+            raise
         except TransportError as e:
             self._failed(m, f"{type(e).__name__}")
             raise MemberFailed(m, f"{m.url}: {describe(e)}") from None
@@ -74,12 +95,15 @@ class Upstream:
         self.registry.succeeded(m, dt * 1e3)
         return r
 
-    async def _unless_silent(self, m: Member, call) -> Reply:
+    async def _unless_silent(self, m: Member, call, deadline: float, elsewhere: bool) -> Reply:
         """``call``'s reply, unless the member stops heartbeating first (frozen: SIGSTOP, a hung host):
         then it is failed at the registry's eviction age, not after the whole hop timeout (12-17 s of
-        stalled generation). A member computing a long request still heartbeats from its event loop."""
+        stalled generation). A member computing a long request still heartbeats from its event loop,
+        and is waited for past ``deadline`` (or, ``elsewhere``, left for another replica unblamed)."""
         task = asyncio.ensure_future(call)
         reg = self.registry
+        t0 = time.monotonic()
+        late = False
         try:
             while True:
                 done, _ = await asyncio.wait({task}, timeout=min(0.5, reg.heartbeat_interval / 2))
@@ -88,6 +112,18 @@ class Upstream:
                 silent = reg.silence(m)
                 if silent > reg.evict_after:
                     raise MemberSilent(f"no heartbeat for {silent:.1f} s")
+                waited = time.monotonic() - t0
+                if waited > deadline and not late:
+                    late = True
+                    self.slow += 1
+                    if self.metrics is not None:
+                        self.metrics.slow.labels(m.capability, "moved" if elsewhere else "waited").inc()
+                    if elsewhere:
+                        log.info("member %s (%s) is past its %.1f s deadline but heartbeating: trying another "
+                                 "replica (not a failure)", m.url, m.capability, deadline)
+                        raise MemberSlow(m, f"{m.url}: no reply within {deadline:.1f} s (alive; not failed)")
+                    log.info("member %s (%s) is past its %.1f s deadline but heartbeating: still waiting "
+                             "(no other replica)", m.url, m.capability, deadline)
         finally:
             if not task.done():
                 task.cancel()

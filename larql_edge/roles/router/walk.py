@@ -71,11 +71,12 @@ def _no_shard(registry: Registry, layers: Sequence[int], reasons: list[str]) -> 
     return ServiceUnavailable(msg)
 
 
-SendGroup = Callable[[Member, list[int]], Awaitable[list[Any]]]
+SendGroup = Callable[[Member, list[int], frozenset[str]], Awaitable[list[Any]]]
 
 
 async def dispatch(registry: Registry, layers: Sequence[int], send_group: SendGroup, metrics=None) -> dict[int, Any]:
-    """Run ``send_group(member, positions)`` for every member chosen; returns {position: item}."""
+    """Run ``send_group(member, positions, excluded)`` for every member chosen; returns {position: item}.
+    A member that failed (or was too slow: `MemberSlow`) is excluded from the next rounds."""
     results: dict[int, object] = {}
     pending = list(range(len(layers)))
     excluded: set[str] = set()
@@ -87,7 +88,7 @@ async def dispatch(registry: Registry, layers: Sequence[int], send_group: SendGr
         jobs = [(registry.members[mid], [pending[i] for i in idxs]) for mid, idxs in groups.items()]
         if round_ and metrics is not None:
             metrics.retries.inc(len(jobs))
-        outs = await asyncio.gather(*(send_group(m, pos) for m, pos in jobs), return_exceptions=True)
+        outs = await asyncio.gather(*(send_group(m, pos, frozenset(excluded)) for m, pos in jobs), return_exceptions=True)
         pending = []
         for (m, pos), out in zip(jobs, outs, strict=True):
             if isinstance(out, MemberFailed):
@@ -118,16 +119,26 @@ def _json_rows(obj: dict, hidden: int | None) -> int:
     return max(1, len(r) // hidden) if hidden else 1
 
 
-async def _post(ctx, m: Member, content: bytes, headers: dict, row_layers: int) -> Reply:
+def _elsewhere(registry: Registry, m: Member, layers: Sequence[int], excluded: frozenset[str]) -> bool:
+    """Could another live replica answer every one of ``layers``?"""
+    now = registry.clock()
+    return all(any(c.id != m.id and c.available(now) for c in registry.ffn_candidates(layer, excluded))
+               for layer in set(layers))
+
+
+async def _post(ctx, m: Member, content: bytes, headers: dict, row_layers: int, layers: Sequence[int],
+                excluded: frozenset[str]) -> Reply:
     """One group to one member: its 2xx comes back, the caller's mistake (400, 413) goes back to
     the caller as it is, anything else already raised MemberFailed (`larql_edge.net.failures`).
-    The wait scales with the work asked (`Limits.hop_timeout`), including the work this router already
-    has in flight to the member: a request queued behind others there waits for theirs, and a timeout
-    caused by the router's own load is not the member's failure."""
+    The deadline scales with the work asked (`Limits.hop_timeout`), including the work this router
+    already has in flight to the member (a request queued behind others there waits for theirs).
+    Past it, a member that still heartbeats is not failed: the group moves to another live replica
+    if there is one, else the router keeps waiting (`upstream.Upstream`, DESIGN.md §10)."""
     timeout = ctx.limits.hop_timeout(row_layers + m.inflight_work)
     m.inflight_work += row_layers
     try:
-        r = await ctx.upstream.send(m, "POST", PATH, content=content, headers=headers, timeout=timeout)
+        r = await ctx.upstream.send(m, "POST", PATH, content=content, headers=headers, timeout=timeout,
+                                    elsewhere=_elsewhere(ctx.registry, m, layers, excluded))
     finally:
         m.inflight_work -= row_layers
     if r.status_code != 200:
@@ -155,9 +166,9 @@ async def _walk_single(ctx, body: bytes, headers: dict) -> HTTPResponse:
     layer = wire.single_layer_of(body)
     _check_request(ctx, [layer], len(body) - 16)
 
-    async def send(m: Member, pos: list[int]) -> list:
+    async def send(m: Member, pos: list[int], excluded: frozenset[str]) -> list:
         hidden = m.hidden_size or registry.hidden_size
-        r = await _post(ctx, m, body, headers, (len(body) - 16) // (4 * hidden) if hidden else 0)
+        r = await _post(ctx, m, body, headers, (len(body) - 16) // (4 * hidden) if hidden else 0, [layer], excluded)
         if hidden:  # a reply must be for this layer and this many rows: garbage is the member's failure
             f16 = r.headers.get("content-type", "").startswith(wire.CONTENT_TYPE_F16)
             try:
@@ -183,12 +194,12 @@ async def _walk_batch(ctx, body: bytes, headers: dict) -> HTTPResponse:
     f16_box: list[bool] = []
     idents: set[str] = set()
 
-    async def send(m: Member, pos: list[int]) -> list:
+    async def send(m: Member, pos: list[int], excluded: frozenset[str]) -> list:
         mine = [layers[p] for p in pos]
         content = body if len(mine) == len(layers) else wire.batch_request_from_tail(mine, tail)
         hidden = m.hidden_size or registry.hidden_size
         rows = (len(tail) - 12) // (4 * hidden) if hidden else 0
-        r = await _post(ctx, m, content, headers, rows * len(mine))
+        r = await _post(ctx, m, content, headers, rows * len(mine), mine, excluded)
         f16 = r.headers.get("content-type", "").startswith(wire.CONTENT_TYPE_F16)
         try:
             items = list(wire.iter_batch_items(r.content, f16))
@@ -225,10 +236,11 @@ async def _walk_json(ctx, body: bytes, headers: dict) -> HTTPResponse:
     layers = [v for v in numbers if v is not None]
     _check_request(ctx, layers, None)
 
-    async def send(m: Member, pos: list[int]) -> list:
+    async def send(m: Member, pos: list[int], excluded: frozenset[str]) -> list:
         mine = [layers[p] for p in pos]
         sub = dict(obj, layers=mine) if batch else obj
-        r = await _post(ctx, m, jsonlib.dumps(sub).encode(), headers, _json_rows(obj, m.hidden_size) * len(mine))
+        r = await _post(ctx, m, jsonlib.dumps(sub).encode(), headers, _json_rows(obj, m.hidden_size) * len(mine), mine,
+                        excluded)
         try:
             reply = r.json()
             items = reply["results"] if batch else [reply]

@@ -134,9 +134,8 @@ def _logit_bias(v: Any) -> dict[int, float]:
 LogitBias = Annotated[dict[int, float], BeforeValidator(_logit_bias), WithJsonSchema(
     {"anyOf": [{"type": "object", "maxProperties": MAX_LOGIT_BIAS, "propertyNames": {"pattern": "^[0-9]{1,9}$"},
                 "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}}, {"type": "null"}],
-     "description": "Token id (as a string) to a bias added to its log-probability; -100 bans it (it never "
-                    "appears). Acts on the head's candidates (64, or top_k): a positive bias raises a token "
-                    "only among them"})]
+     "description": "Token id (as a string) to a bias added to its logit; -100 bans it (it never appears). "
+                    "Acts as on the whole logits row: a biased token is scored whatever its rank"})]
 
 _STOP_ITEM = {"type": "string", "minLength": 1}
 Stop = Annotated[tuple[str, ...], BeforeValidator(_stop), WithJsonSchema(
@@ -248,7 +247,8 @@ class _Common(_Strict):
     top_k: TopK | None = Field(None, description=f"Draw among the k most likely (0 or -1: off; at most {MAX_TOP_K})")
     min_p: Probability | None = Field(None, description="Drop candidates below min_p x the best one's probability")
     repetition_penalty: RepetitionPenalty | None = Field(
-        None, description="Divides the probability of every token seen in the prompt or output (1: off)")
+        None, description="vLLM's and llama.cpp's: the logit of every token seen in the prompt or output is "
+        "divided by it if positive, multiplied if negative (1: off; below 1 favours them)")
     user: str | None = ignored("OpenAI's end-user id")
     # Structured output (`structured.response_format_schema` checks the inside, naming the field at
     # fault); on completions as vLLM takes it.

@@ -16,6 +16,11 @@
   back past the first rejected one. Sequences with and without drafts share one step.
 - Sampling is local, on the top ``k`` log-probabilities the head returns (k = 64, or more for
   ``top_logprobs``): greedy takes the first (exact), otherwise temperature then top-p over those k.
+- logit_bias and the penalties (`adjust`) act as on the whole row: the head also returns every id
+  they may raise (`raised`: a positive bias, a negative penalty's tokens), whatever its rank, and the
+  logits' scale (the repetition penalty divides logits); every other token only loses score, so it
+  stays below the head's k-th. Greedy is then exact unless the penalties lowered every candidate
+  below the k-th, and then (or beyond `MAX_EXTRA_IDS` raised ids) the whole row is fetched.
 - Structured output: a sequence with a grammar (`structured.Constraint`) sends its allowed-token
   bitmask with its row; the head's top k are then among the allowed tokens only, so whatever is
   sampled keeps the grammar satisfiable. The grammar takes each token; when nothing but the end can
@@ -44,8 +49,10 @@ import numpy as np
 
 from larql_edge.errors import LarqlError, ServiceUnavailable, TooManyRequests
 from larql_edge.model.batch import BatchEngine, Chunk, SeqCache
+from larql_edge.model.head import Top, candidates
 from larql_edge.model.prefix_cache import PrefixCache
 from larql_edge.model.speculative import SeqSpeculator, Settings
+from larql_edge.wire.embed import MAX_EXTRA_IDS
 
 log = logging.getLogger("larql.serve")
 
@@ -77,8 +84,9 @@ class Params:
     def candidates(self) -> int:
         """How many candidates the head must return for this sequence."""
         k = 1 if self.temperature < MIN_TEMPERATURE and not self.adjusts else HEAD_TOP_K
-        # A banned token is never drawn: at least one candidate beyond every biased id survives.
-        return max(k, self.top_k, len(self.logit_bias) + 1, (self.logprobs or 0) + 1)
+        # A banned token is never drawn: at least one candidate beyond every banned id survives.
+        bans = sum(1 for b in self.logit_bias.values() if b <= BAN)
+        return max(k, self.top_k, bans + 1, (self.logprobs or 0) + 1)
 
 
 @dataclass
@@ -130,6 +138,7 @@ class Seq:
         self.t_first: float | None = None
         self.t_last: float | None = None
         self.speculator: SeqSpeculator | None = None
+        self.raised = np.empty(0, dtype=np.int64)  # this step's ids a control may raise (`raised`)
 
     def post(self, ev: Event) -> None:
         ev.index = self.index
@@ -142,39 +151,85 @@ class Seq:
 BAN = -100.0  # a logit_bias this low removes the token (OpenAI: "should result in a ban")
 
 
-def adjust(ids: np.ndarray, lps: np.ndarray, p: Params, prompt: Sequence[int], generated: Sequence[int]) -> np.ndarray:
-    """The candidates' scores after the penalties and logit_bias, as vLLM orders them (before
-    temperature). The head gives log-probabilities, not the raw logits transformers' and llama.cpp's
-    repetition penalty divide (whose scale is unknown here), so repetition_penalty divides the
-    probability of every token seen in the prompt or the output (subtracts its log); presence and
-    frequency penalties count the output only (OpenAI's and vLLM's rule)."""
-    z = np.asarray(lps, dtype=np.float64).copy()
+def adjust(ids: np.ndarray, logits: np.ndarray, p: Params, prompt: Sequence[int], generated: Sequence[int]) -> np.ndarray:
+    """The candidates' logits after logit_bias and the penalties, in vLLM's and llama.cpp's order
+    (bias, then penalties; all before temperature): repetition_penalty divides a seen token's
+    positive logit and multiplies a negative one (seen: in the prompt or the output), presence and
+    frequency penalties subtract per the output only (OpenAI's and vLLM's rule)."""
+    z = np.asarray(logits, dtype=np.float64).copy()
     if not p.adjusts:
         return z
+    ids = np.asarray(ids, dtype=np.int64)
+    if p.logit_bias:
+        keys = np.fromiter(p.logit_bias, dtype=np.int64, count=len(p.logit_bias))
+        vals = np.fromiter(p.logit_bias.values(), dtype=np.float64, count=len(p.logit_bias))
+        order = np.argsort(keys)
+        keys, vals = keys[order], vals[order]
+        pos = np.minimum(np.searchsorted(keys, ids), keys.size - 1)
+        hit = keys[pos] == ids
+        bias = np.where(hit, vals[pos], 0.0)
+        z = np.where(hit & (bias <= BAN), -np.inf, z + bias)
     if p.repetition_penalty != 1.0:
         seen = np.isin(ids, np.fromiter((*prompt, *generated), dtype=np.int64, count=len(prompt) + len(generated)))
-        z = np.where(seen, z - np.log(p.repetition_penalty), z)
+        r = p.repetition_penalty
+        z = np.where(seen, np.where(z > 0, z / r, z * r), z)
     if (p.presence_penalty or p.frequency_penalty) and generated:
         uniq, counts = np.unique(np.asarray(generated, dtype=np.int64), return_counts=True)
-        pos = np.searchsorted(uniq, ids)
-        pos = np.minimum(pos, uniq.size - 1)
+        pos = np.minimum(np.searchsorted(uniq, ids), uniq.size - 1)
         count = np.where(uniq[pos] == ids, counts[pos], 0)
         z -= p.frequency_penalty * count + p.presence_penalty * (count > 0)
-    for i, tid in enumerate(ids.tolist()):
-        b = p.logit_bias.get(tid)
-        if b is not None:
-            z[i] = -np.inf if b <= BAN else z[i] + b
     return z
 
 
+def raised(p: Params, prompt: Sequence[int], generated: Sequence[int]) -> np.ndarray:
+    """The ids `adjust` may score higher than the model does (sorted): a positive logit_bias, a negative
+    presence or frequency penalty (the output's tokens), a repetition_penalty below 1 (the prompt's
+    and the output's). Every other token only keeps or loses score, so a token outside the head's
+    top k and not raised stays at or below the k-th: these are the ids the head must add."""
+    out = [np.fromiter((t for t, b in p.logit_bias.items() if b > 0), dtype=np.int64)]
+    if p.repetition_penalty < 1.0:
+        out.append(np.asarray(prompt, dtype=np.int64))
+    if p.repetition_penalty < 1.0 or p.presence_penalty < 0 or p.frequency_penalty < 0:
+        out.append(np.asarray(generated, dtype=np.int64))
+    return np.unique(np.concatenate(out))
+
+
+def complete(top: Top, p: Params, prompt: Sequence[int], generated: Sequence[int], raised_ids: np.ndarray, k: int,
+             whole_row: Callable[[], np.ndarray]) -> Top:
+    """The candidates the sampler chooses among, as if on the whole row: the head's top k and every
+    raised id (asked for with the row: ``top``). The whole row (``whole_row()``, one more head request)
+    when the raised ids were too many to ask for, or when greedy's best adjusted score does not beat
+    ``top.floor`` (the penalties lowered every candidate: an unlisted token may be the argmax)."""
+    is_greedy = p.temperature < MIN_TEMPERATURE
+    full = raised_ids.size > MAX_EXTRA_IDS
+    if not full and is_greedy and top.floor > -np.inf:
+        z = adjust(top.ids, top.lps + top.lse, p, prompt, generated)
+        full = not z.max() > top.floor + top.lse
+    if not full:
+        return top
+    row = whole_row()
+    best = candidates(row, k, None if is_greedy else raised_ids)
+    if not is_greedy:
+        return best
+    rest = np.setdiff1d(np.nonzero(np.isfinite(row))[0], best.ids)  # greedy: every token competes
+    return Top(np.concatenate([best.ids, rest]), np.concatenate([best.lps, row[rest] - best.lse]), best.lse)
+
+
+def greedy(ids: np.ndarray, z: np.ndarray) -> int:
+    """The best score's token; ties: the lowest id (argmax over the whole row), whatever the order."""
+    best = z.max()
+    return int(np.asarray(ids)[z == best].min())
+
+
 def sample(ids: np.ndarray, lps: np.ndarray, p: Params, rng: np.random.Generator,
-           prompt: Sequence[int] = (), generated: Sequence[int] = ()) -> int:
+           prompt: Sequence[int] = (), generated: Sequence[int] = (), lse: float = 0.0) -> int:
     """Greedy (temperature 0): the best candidate, exactly argmax when nothing adjusts the scores.
-    Otherwise the penalties and logit_bias (`adjust`), temperature, then top_k, min_p and top_p
-    (the smallest prefix of candidates whose probability reaches it), then one draw."""
-    z = adjust(ids, lps, p, prompt, generated)
+    Otherwise logit_bias and the penalties (`adjust`, on the logits ``lps + lse``), temperature, then
+    top_k, min_p and top_p (the smallest prefix of candidates whose probability reaches it), then
+    one draw."""
+    z = adjust(ids, np.asarray(lps, dtype=np.float64) + lse, p, prompt, generated)
     if p.temperature < MIN_TEMPERATURE:  # 0, or so close to it that z / T overflows: the limit is argmax
-        return int(ids[int(np.argmax(z))])  # ties: the first, the head's order (the lower id)
+        return greedy(ids, z)
     z = z / p.temperature
     z = z - z[np.isfinite(z)].max()
     prob = np.exp(z)
@@ -230,6 +285,7 @@ class Scheduler:
         self.speculation = speculation or Settings(enabled=False)
         self.drafted_tokens = 0
         self.accepted_tokens = 0
+        self.full_rows = 0  # whole logits rows asked for (sampling controls the candidates could not decide)
         self.on_step: Callable[[int], None] = lambda rows: None  # rows (positions) of each step
 
     # -- the event loop's side ----------------------------------------------------------------------
@@ -356,12 +412,14 @@ class Scheduler:
                 budget -= n
                 last = s.fed == len(s.prompt)
                 chunks.append(Chunk(s.cache, ids, wants_logits=last,
-                                    mask=s.constraint.mask() if last and s.constraint is not None else None))
+                                    mask=s.constraint.mask() if last and s.constraint is not None else None,
+                                    extra=self._extra(s) if last else None))
                 drafts.append([])
             else:
                 d = proposed[s.id]
                 chunks.append(Chunk(s.cache, [s.generated[-1], *d], logit_rows=1 + len(d),
-                                    mask=s.constraint.mask() if s.constraint is not None else None))
+                                    mask=s.constraint.mask() if s.constraint is not None else None,
+                                    extra=self._extra(s)))
                 drafts.append(d)
             owners.append(s)
         if not chunks:
@@ -377,15 +435,34 @@ class Scheduler:
         rows = sum(len(c.ids) for c in chunks)
         self.step_rows += rows
         self.on_step(rows)
-        for s, rows_top, d, start in zip(owners, tops, drafts, starts, strict=True):
+        for i, (s, rows_top, d, start) in enumerate(zip(owners, tops, drafts, starts, strict=True)):
             if not rows_top or s.cancelled:
                 continue
             if not d:
+                top = self._complete(s, i, rows_top[-1], k)
                 if not s.generated:  # the prompt is in: keep it for later prompts, hand it to the siblings
-                    self._prefilled(s, rows_top[-1])
-                self._accept(s, *rows_top[-1])
+                    self._prefilled(s, top)
+                self._accept(s, top)
                 continue
             self._verify(s, d, rows_top, start)
+
+    def _extra(self, s: Seq) -> np.ndarray | None:
+        """The ids the head must add to this sequence's candidates (`raised`), when the many-rows form
+        takes them; beyond `MAX_EXTRA_IDS` the whole row is asked for after the step (`_complete`)."""
+        if not s.params.adjusts:
+            return None
+        s.raised = raised(s.params, s.prompt, s.generated)
+        return s.raised if 0 < s.raised.size <= MAX_EXTRA_IDS else None
+
+    def _complete(self, s: Seq, chunk: int, top: Top, k: int) -> Top:
+        if not s.params.adjusts:
+            return top
+
+        def row() -> np.ndarray:
+            self.full_rows += 1
+            return self.engine.row_logits(chunk)
+
+        return complete(top, s.params, s.prompt, s.generated, s.raised, k, row)
 
     def _drafts(self, s: Seq) -> list[int]:
         """The drafts for a decoding sequence's chunk: none without speculation, and never more than
@@ -410,7 +487,7 @@ class Scheduler:
                 return
             self._emit(s, tok, *rows_top[i])
 
-    def _prefilled(self, s: Seq, top: tuple[np.ndarray, np.ndarray]) -> None:
+    def _prefilled(self, s: Seq, top: Top) -> None:
         assert s.cache is not None
         if self.prefix is not None:
             self.prefix.store(s.prompt, s.cache)
@@ -422,14 +499,16 @@ class Scheduler:
                 sib.cache.keys[layer][:, :n] = s.cache.keys[layer][:, :n]
                 sib.cache.values[layer][:, :n] = s.cache.values[layer][:, :n]
             sib.cache.length, sib.fed, sib.cached = n, len(sib.prompt), s.cached
-            self._accept(sib, *top)  # the same next-token candidates, its own draw
+            self._accept(sib, top)  # the same next-token candidates, its own draw
 
-    def _accept(self, s: Seq, ids: np.ndarray, lps: np.ndarray) -> None:
+    def _accept(self, s: Seq, top: Top) -> None:
         if s.constraint is not None and s.constraint.error is not None:
             log.error("sequence %d: %s", s.id, s.constraint.error)
             self._finish(s, None, RuntimeError(s.constraint.error))
             return
-        self._emit(s, sample(ids, lps, s.params, s.rng, s.prompt, s.generated), ids, lps)
+        ids, lps = top
+        lse = top.lse if s.params.adjusts else 0.0  # only repetition_penalty needs the logits' scale
+        self._emit(s, sample(ids, lps, s.params, s.rng, s.prompt, s.generated, lse), ids, lps)
 
     def _emit(self, s: Seq, tok: int, ids: np.ndarray, lps: np.ndarray) -> None:
         """Token ``tok`` joins the sequence; ``ids``/``lps``: the candidates it was chosen among."""
@@ -502,7 +581,7 @@ class Scheduler:
         return {"steps": self.steps, "rows": self.step_rows,
                 "mean_rows_per_step": round(self.step_rows / self.steps, 3) if self.steps else None,
                 "last_step_ms": round(self.last_step_ms, 3), "generated_tokens": self.generated_tokens,
-                "prompt_tokens": self.prompt_tokens,
+                "prompt_tokens": self.prompt_tokens, "full_logit_rows": self.full_rows,
                 "prefix_cache": None if self.prefix is None else self.prefix.stats(),
                 "speculation": {**self.speculation.as_json(), "drafted_tokens": self.drafted_tokens,
                                 "accepted_tokens": self.accepted_tokens,

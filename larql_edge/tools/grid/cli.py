@@ -1,6 +1,8 @@
 """larql-grid up: the whole three-tier grid on this machine, as local processes (no Docker).
+larql-grid certs: the grid's CA and a certificate per service, for TLS (`larql_edge.tools.grid.pki`).
 
     larql-grid up [--model gemma3-270m] [--quant none|q4k|gguf] [--shards 2] [--replicas 1]
+    larql-grid certs DIR [NAME[=HOST,...] ...]
 
 Builds the vindex on first use (cached), starts the embed server, the FFN shards and the router,
 waits until every layer is served, prints the URLs and a ready-to-paste ``larql generate``
@@ -25,6 +27,7 @@ from larql_edge.errors import LarqlError
 from larql_edge.format.index import QUANTS
 from larql_edge.format.layers import split_even
 from larql_edge.format.presets import ROLE_PRESETS
+from larql_edge.tools.grid.pki import add_certs_parser
 from larql_edge.tools.grid.supervisor import Supervisor, pick_ports, role_env
 
 ROLES = ("embed", "ffn", "client")
@@ -85,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     f.add("--ready-timeout", type=float, default=600.0, env=g("--ready-timeout"), help="seconds to wait for the grid to come up")
     f.add("--log-dir", default=None, env=g("--log-dir"), help="role logs (default: a new folder under the cache)")
     up.set_defaults(func=up_command)
+    add_certs_parser(sub)
     return parser
 
 

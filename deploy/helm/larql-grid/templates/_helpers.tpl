@@ -79,7 +79,61 @@ app.kubernetes.io/part-of: larql-grid
 {{- end -}}
 
 {{- define "larql-grid.routerUrl" -}}
-{{- printf "http://%s.%s.svc:9090" (include "larql-grid.routerHeadless" .) .Release.Namespace -}}
+{{- printf "%s://%s.%s.svc:9090" (include "larql-grid.scheme" .) (include "larql-grid.routerHeadless" .) .Release.Namespace -}}
+{{- end -}}
+
+{{- define "larql-grid.scheme" -}}
+{{- ternary "https" "http" (.Values.tls.enabled | default false) -}}
+{{- end -}}
+
+{{/* TLS: the Secret of a component (dict ctx component): tls.secretNames.<component> or <fullname>-<component>-tls. */}}
+{{- define "larql-grid.tlsSecret" -}}
+{{- $n := get .ctx.Values.tls.secretNames .component | default "" -}}
+{{- $n | default (include "larql-grid.child" (dict "ctx" .ctx "suffix" (printf "%s-tls" .component))) -}}
+{{- end -}}
+
+{{/* The name every server certificate also covers: the ServiceMonitor's serverName (it scrapes pod IPs). */}}
+{{- define "larql-grid.metricsName" -}}
+{{- include "larql-grid.child" (dict "ctx" . "suffix" "metrics") -}}
+{{- end -}}
+
+{{/* The headless Service whose CoreDNS endpoint names a member announces (dict ctx component name). */}}
+{{- define "larql-grid.memberHeadless" -}}
+{{- if eq .component "embed" -}}
+{{- include "larql-grid.child" (dict "ctx" .ctx "suffix" "embed-headless") -}}
+{{- else -}}
+{{- .name -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The DNS names a Service is reached by (dict ctx svc): short, .ns, .ns.svc, .ns.svc.<clusterDomain>. */}}
+{{- define "larql-grid.svcNames" -}}
+{{- $ns := .ctx.Release.Namespace -}}
+{{- $cd := .ctx.Values.tls.clusterDomain -}}
+{{- toYaml (list .svc (printf "%s.%s" .svc $ns) (printf "%s.%s.svc" .svc $ns) (printf "%s.%s.svc.%s" .svc $ns $cd)) -}}
+{{- end -}}
+
+{{/* TLS environment of a larql role (dict ctx component). */}}
+{{- define "larql-grid.tlsEnv" -}}
+{{- $t := .ctx.Values.tls -}}
+- {name: LARQL_TLS_CERT_FILE, value: /var/run/secrets/larql/tls/tls.crt}
+- {name: LARQL_TLS_KEY_FILE, value: /var/run/secrets/larql/tls/tls.key}
+- {name: LARQL_TLS_CA_FILE, value: /var/run/secrets/larql/tls/ca.crt}
+{{- if or (and $t.mutual (has .component (list "router" "ffn" "embed"))) (and (eq .component "serve") $t.serveClientAuth) }}
+- {name: LARQL_TLS_CLIENT_CA_FILE, value: /var/run/secrets/larql/tls/ca.crt}
+{{- end }}
+{{- end -}}
+
+{{/* The Secret volume of a component's certificate (dict ctx component). */}}
+{{- define "larql-grid.tlsVolume" -}}
+- name: tls
+  secret:
+    secretName: {{ include "larql-grid.tlsSecret" . }}
+    defaultMode: 288 # 0440: the pods' group (fsGroup) reads it
+    items:
+      - {key: tls.crt, path: tls.crt}
+      - {key: tls.key, path: tls.key}
+      - {key: ca.crt, path: ca.crt}
 {{- end -}}
 
 {{- define "larql-grid.embedService" -}}
@@ -175,6 +229,12 @@ model, the secrets and the model source complete.
 {{- if not (has $v.edge.type (list "nginx" "varnish")) -}}
 {{- fail (printf "edge.type is %q: want nginx or varnish" $v.edge.type) -}}
 {{- end -}}
+{{- if and $v.tls.enabled $v.edge.enabled (eq $v.edge.type "varnish") -}}
+{{- fail "tls.enabled with edge.type varnish: Varnish speaks no TLS (to clients or to the embed servers); use edge.type nginx" -}}
+{{- end -}}
+{{- if and $v.tls.certManager.enabled (not $v.tls.enabled) -}}
+{{- fail "tls.certManager.enabled needs tls.enabled: the Certificates would be made and never used" -}}
+{{- end -}}
 {{- end -}}
 
 {{/* Pod-level settings shared by every pod of the chart. */}}
@@ -223,15 +283,23 @@ topologySpreadConstraints:
 {{- end }}
 {{- end -}}
 
-{{/* startup / readiness / liveness of a larql role: GET /v1/health, /v1/ready, /v1/health. */}}
+{{/* startup / readiness / liveness of a larql role: GET /v1/health, /v1/ready, /v1/health. With TLS
+these are exec probes (larql-healthcheck over https on loopback, presenting the pod's certificate):
+kubelet's httpGet cannot show a client certificate, and mutual TLS refuses it (DESIGN.md §14). */}}
 {{- define "larql-grid.probes" -}}
 {{- $v := .ctx.Values -}}
 {{- $own := .cfg.probes | default dict -}}
+{{- $port := .port -}}
 {{- range $kind := list "startup" "readiness" "liveness" }}
 {{ $kind }}Probe:
+  {{- if $v.tls.enabled }}
+  exec:
+    command: [larql-healthcheck, {{ printf "http://127.0.0.1:%v%s" $port (ternary "/v1/ready" "/v1/health" (eq $kind "readiness")) | quote }}]
+  {{- else }}
   httpGet:
     path: {{ if eq $kind "readiness" }}/v1/ready{{ else }}/v1/health{{ end }}
     port: http
+  {{- end }}
   {{- toYaml (mergeOverwrite (deepCopy (get $v.probes $kind)) (get $own $kind | default dict)) | nindent 2 }}
 {{- end }}
 {{- end -}}
@@ -329,7 +397,7 @@ A Deployment of a larql role. Parameters (a dict):
   port       the container port (also LARQL_PORT)
   preset     the Hub preset to pull when model.source is hub ("" = none)
   gridKey    mount the grid key and set LARQL_GRID_KEY_FILE
-  member     join the routers: LARQL_JOIN, LARQL_PUBLIC_URL (pod IP)
+  member     join the routers: LARQL_JOIN, LARQL_PUBLIC_URL (pod IP; with TLS its headless-Service DNS name)
   env        the role's own environment ([{name, value}])
 */}}
 {{- define "larql-grid.deployment" -}}
@@ -360,6 +428,9 @@ spec:
       annotations:
         {{- if $v.metrics.podAnnotations }}
         prometheus.io/scrape: "true"
+        {{- if $v.tls.enabled }}
+        prometheus.io/scheme: https
+        {{- end }}
         prometheus.io/port: {{ .port | quote }}
         prometheus.io/path: /metrics
         {{- end }}
@@ -393,11 +464,20 @@ spec:
             - name: POD_IP
               valueFrom: {fieldRef: {fieldPath: status.podIP}}
             - {name: LARQL_JOIN, value: {{ include "larql-grid.routerUrl" $ctx | quote }}}
+            {{- if $v.tls.enabled }}
+            # CoreDNS's name of this pod's endpoint in its headless Service, which the certificate
+            # covers with a wildcard; larql-entrypoint fills in {pod-ip-dashed} from POD_IP.
+            - {name: LARQL_PUBLIC_URL, value: {{ printf "https://{pod-ip-dashed}.%s.%s.svc.%s:%v" (include "larql-grid.memberHeadless" (dict "ctx" $ctx "component" .component "name" .name)) $ctx.Release.Namespace $v.tls.clusterDomain .port | quote }}}
+            {{- else }}
             - {name: LARQL_PUBLIC_URL, value: "http://$(POD_IP):{{ .port }}"}
+            {{- end }}
+            {{- end }}
+            {{- if $v.tls.enabled }}
+            {{- include "larql-grid.tlsEnv" (dict "ctx" $ctx "component" .component) | nindent 12 }}
             {{- end }}
             {{- with .env }}{{ toYaml . | nindent 12 }}{{ end }}
             {{- with $cfg.extraEnv }}{{ toYaml . | nindent 12 }}{{ end }}
-          {{- include "larql-grid.probes" (dict "ctx" $ctx "cfg" $cfg) | trim | nindent 10 }}
+          {{- include "larql-grid.probes" (dict "ctx" $ctx "cfg" $cfg "port" .port) | trim | nindent 10 }}
           lifecycle:
             preStop:
               # Leave every router, turn /v1/ready to 503, wait LARQL_DRAIN_SECONDS for in-flight work.
@@ -413,7 +493,13 @@ spec:
             {{- if $hub }}
             - {name: vindex, mountPath: /models, readOnly: true}
             {{- end }}
+            {{- if $v.tls.enabled }}
+            - {name: tls, mountPath: /var/run/secrets/larql/tls, readOnly: true}
+            {{- end }}
       volumes: {{- include "larql-grid.volumes" (dict "ctx" $ctx "cfg" $cfg "gridKey" .gridKey "preset" (ternary .preset "" (eq $v.model.source "hub"))) | nindent 8 }}
+        {{- if $v.tls.enabled }}
+        {{- include "larql-grid.tlsVolume" (dict "ctx" $ctx "component" .component) | nindent 8 }}
+        {{- end }}
 {{- end -}}
 
 {{/* A PodDisruptionBudget for one component (cfg.pdb: enabled, minAvailable or maxUnavailable). */}}
@@ -482,4 +568,59 @@ spec:
 {{- define "larql-grid.peer" -}}
 - podSelector:
     matchLabels: {{- include "larql-grid.selectorLabels" . | nindent 6 }}
+{{- end -}}
+
+{{/*
+TLS: the names a component's certificate must cover (dict ctx component), as a YAML list: its
+Services by every DNS form, the wildcard over its headless Service's endpoint names (members: the
+names they announce), and the metrics name (the ServiceMonitor scrapes pod IPs under it).
+*/}}
+{{- define "larql-grid.tlsNames" -}}
+{{- $ctx := .ctx -}}
+{{- $v := $ctx.Values -}}
+{{- $ns := $ctx.Release.Namespace -}}
+{{- $cd := $v.tls.clusterDomain -}}
+{{- $svcs := list -}}
+{{- $wild := list -}}
+{{- if eq .component "router" -}}
+{{- $svcs = list (include "larql-grid.child" (dict "ctx" $ctx "suffix" "router")) (include "larql-grid.routerHeadless" $ctx) -}}
+{{- else if eq .component "ffn" -}}
+{{- range $r := (include "larql-grid.ffnRanges" $ctx | fromYaml).ranges -}}
+{{- $svc := include "larql-grid.child" (dict "ctx" $ctx "suffix" (printf "ffn-%s" $r.name)) -}}
+{{- $svcs = append $svcs $svc -}}
+{{- $wild = append $wild $svc -}}
+{{- end -}}
+{{- else if eq .component "embed" -}}
+{{- $e := include "larql-grid.embedService" $ctx -}}
+{{- $h := include "larql-grid.memberHeadless" (dict "ctx" $ctx "component" "embed" "name" $e) -}}
+{{- $svcs = list $e $h -}}
+{{- $wild = list $h -}}
+{{- else if eq .component "serve" -}}
+{{- $svcs = list (include "larql-grid.child" (dict "ctx" $ctx "suffix" "serve")) -}}
+{{- else if eq .component "edge" -}}
+{{- $svcs = list (include "larql-grid.child" (dict "ctx" $ctx "suffix" "edge")) -}}
+{{- end -}}
+{{- $out := list -}}
+{{- range $s := $svcs -}}
+{{- $out = concat $out (include "larql-grid.svcNames" (dict "ctx" $ctx "svc" $s) | fromYamlArray) -}}
+{{- end -}}
+{{- range $s := $wild -}}
+{{- $out = append $out (printf "*.%s.%s.svc.%s" $s $ns $cd) -}}
+{{- end -}}
+{{- if has .component (list "router" "ffn" "embed" "serve") -}}
+{{- $out = append $out (include "larql-grid.metricsName" $ctx) -}}
+{{- end -}}
+{{- if eq .component "client" -}}
+{{- $out = list (include "larql-grid.child" (dict "ctx" $ctx "suffix" "client")) -}}
+{{- end -}}
+{{- toYaml $out -}}
+{{- end -}}
+
+{{/* The components that get a certificate in this release. */}}
+{{- define "larql-grid.tlsComponents" -}}
+{{- $v := .Values -}}
+{{- $c := list "router" "ffn" "embed" "client" -}}
+{{- if $v.serve.enabled }}{{ $c = append $c "serve" }}{{ end -}}
+{{- if $v.edge.enabled }}{{ $c = append $c "edge" }}{{ end -}}
+{{- toYaml $c -}}
 {{- end -}}

@@ -18,6 +18,12 @@ Structured output: ``?rows=N&masked=i,j,..`` (binary body) appends a token bitma
 probabilities and log-probabilities are those of the allowed tokens (a mask allowing fewer than k
 tokens answers fewer). The mask costs the serve side nothing per vocabulary entry: 32 KB per
 constrained row on the wire, one unpack and one select here.
+
+Candidates beyond the top k: ``?rows=N&extra=i,j,..`` (binary body) ends the body with a list of token
+ids for each listed row (`larql_edge.wire.embed`); the top-k JSON answer then carries ``"extra"``, one
+list per row of ``{"token_id", "logprob", "logit"}`` for those ids (a masked row leaves out the ids its
+mask disallows). larql-serve asks it for the tokens a ``logit_bias`` or a penalty may raise above the
+top k: a few numbers per id, instead of the row's 262,144 logits (1 MB).
 """
 
 from __future__ import annotations
@@ -87,27 +93,39 @@ def _apply_masks(block: np.ndarray, masked: tuple[int, ...], allowed: np.ndarray
     return out
 
 
+def _extra(temperature: float, row: np.ndarray, ids: np.ndarray) -> list[dict]:
+    scaled = _scaled(row, temperature)
+    lse = log_normaliser(scaled)
+    return [{"token_id": i, "logprob": float(scaled[i]) - lse, "logit": float(row[i])}
+            for i in ids.tolist() if row[i] != -np.inf]  # masked out: it cannot be chosen
+
+
 def _top_k_rows(model, k: int, temperature: float, masked: tuple[int, ...], allowed: np.ndarray | None,
-                block: np.ndarray) -> list[list[dict]]:
-    return [_top_k(model, k, temperature, row) for row in _apply_masks(block, masked, allowed)]
+                extra: dict[int, np.ndarray], block: np.ndarray) -> tuple[list[list[dict]], list[list[dict]] | None]:
+    block = _apply_masks(block, masked, allowed)
+    top = [_top_k(model, k, temperature, row) for row in block]
+    if not extra:
+        return top, None
+    return top, [_extra(temperature, row, extra[r]) if r in extra else [] for r, row in enumerate(block)]
 
 
 def _raw_rows(temperature: float, masked: tuple[int, ...], allowed: np.ndarray | None, block: np.ndarray) -> bytes:
     return wire.encode_logits_response(_scaled(_apply_masks(block, masked, allowed), temperature))
 
 
-def _masked_rows(value: str | None, n_rows: int | None) -> tuple[int, ...]:
-    """``?masked=0,3``: the rows (ascending, each once, below ``rows``) whose token bitmasks follow the residuals."""
+def _listed_rows(value: str | None, n_rows: int | None, name: str) -> tuple[int, ...]:
+    """``?masked=0,3`` / ``?extra=0,3``: the rows (ascending, each once, below ``rows``) whose token
+    bitmasks / token-id lists follow the residuals."""
     if value is None:
         return ()
     if n_rows is None:
-        raise BadRequest("masked= needs the binary many-rows form (?rows=N)")
+        raise BadRequest(f"{name}= needs the binary many-rows form (?rows=N)")
     parts = value.split(",")
     if len(parts) > n_rows:
-        raise BadRequest(f"masked: {len(parts)} rows named, the request has {n_rows}")
-    out = [rq.int_param(p, "masked", 0, 0, n_rows - 1) for p in parts]
+        raise BadRequest(f"{name}: {len(parts)} rows named, the request has {n_rows}")
+    out = [rq.int_param(p, name, 0, 0, n_rows - 1) for p in parts]
     if any(b <= a for a, b in zip(out, out[1:], strict=False)):
-        raise BadRequest("masked: row indices must be ascending, each once")
+        raise BadRequest(f"{name}: row indices must be ascending, each once")
     return tuple(out)
 
 
@@ -131,18 +149,22 @@ async def logits(request, model_id: str | None = None):
     many: np.ndarray | None = None
     # Checked on every request, as top_k: a wrong ?rows= is a 400 whatever the body.
     n_rows = rq.int_param(query.get("rows"), "rows", 0, 1, max_rows) if query.get("rows") is not None else None
-    masked = _masked_rows(query.get("masked"), n_rows)
+    masked = _listed_rows(query.get("masked"), n_rows, "masked")
+    extra_rows = _listed_rows(query.get("extra"), n_rows, "extra")
     allowed: np.ndarray | None = None
+    extra: dict[int, np.ndarray] = {}
     if body_kind(request) == BINARY_KIND:
-        if masked:
+        if masked or extra_rows:
             assert n_rows is not None
-            many, bits = wire.decode_logits_masked_rows_request(request.body, n_rows, m.hidden_size, len(masked),
-                                                                m.vocab_size)
+            many, bits, lists = wire.decode_logits_rows_sections(request.body, n_rows, m.hidden_size, len(masked),
+                                                                 len(extra_rows), m.vocab_size)
             many = rq.finite(many)
-            allowed = wire.allowed_tokens(bits, m.vocab_size)
-            empty = np.nonzero(~allowed.any(axis=1))[0]
-            if empty.size:
-                raise BadRequest(f"masked: the token mask of row {masked[int(empty[0])]} allows no token")
+            extra = dict(zip(extra_rows, lists, strict=True))
+            if masked:
+                allowed = wire.allowed_tokens(bits, m.vocab_size)
+                empty = np.nonzero(~allowed.any(axis=1))[0]
+                if empty.size:
+                    raise BadRequest(f"masked: the token mask of row {masked[int(empty[0])]} allows no token")
         elif n_rows is not None:
             many = rq.finite(wire.decode_logits_rows_request(request.body, n_rows, m.hidden_size))
         else:
@@ -150,8 +172,9 @@ async def logits(request, model_id: str | None = None):
             x = rq.finite(x)
     else:
         params = json_object(request)
-        if masked:
-            raise BadRequest("masked= takes a binary body (rows x f32[hidden], then the token bitmasks)")
+        if masked or extra_rows:
+            raise BadRequest(f"{'masked' if masked else 'extra'}= takes a binary body (rows x f32[hidden], then the "
+                             f"token {'bitmasks' if masked else 'id lists'})")
         if "residuals" in params:
             rows = params["residuals"]
             if not isinstance(rows, list):
@@ -168,10 +191,16 @@ async def logits(request, model_id: str | None = None):
             temperature = rq.temperature_param(_json_number(params, "temperature", integer=False))
     if many is not None:
         if rq.wants_binary(request, default_binary=False):
+            if extra_rows:  # raw logits already hold every id: asking for some is a mistake, not a no-op
+                raise BadRequest("extra= is for the top-k JSON answer; raw logits already hold every token")
             body = await m.batcher.submit_rows(many, partial(_raw_rows, temperature, masked, allowed))
             return HTTPResponse(body, content_type=BINARY)
-        rows_top = await m.batcher.submit_rows(many, partial(_top_k_rows, m, k, temperature, masked, allowed))
-        return json({"rows": rows_top, "model": m.id, "temperature": temperature, "greedy": temperature == 0.0,
+        rows_top, extras = await m.batcher.submit_rows(many, partial(_top_k_rows, m, k, temperature, masked, allowed,
+                                                                     extra))
+        out = {"rows": rows_top}
+        if extras is not None:
+            out["extra"] = extras
+        return json({**out, "model": m.id, "temperature": temperature, "greedy": temperature == 0.0,
                      "latency_ms": round((time.perf_counter() - t0) * 1e3, 3)})
     if rq.wants_binary(request, default_binary=False):
         body = await m.batcher.submit(x, partial(_raw, temperature))

@@ -1,0 +1,408 @@
+"""The whole forward step as ONE ggml graph (the compact backend's fast path for a local model).
+
+A step (the ids of one chunk, the KV cache, optionally the head) is a single ``ggml_graph_compute``:
+every layer's norms, q/k/v/o products, q/k norms, RoPE, the KV write, masked softmax attention, the
+FFN (gate/up products, fused GELU*up or SiLU*up, down), the post norms and residual adds, then the
+final norm, lm_head and softcap on the last row. The arithmetic is llama.cpp's (the same ggml ops
+on the GGUF's own blocks; activations quantized to each weight's ``vec_dot_type``), the Python cost
+per token is a handful of buffer writes, and the threads are one persistent ggml thread pool.
+
+Layout (ggml's ``ne`` order, fastest first):
+- weights: ``[padded in, out]`` tensors whose ``data`` points at the vindex's memory-mapped blocks;
+- K cache per layer: numpy ``[kv_heads, capacity, head_dim]``; V cache: ``[kv_heads * head_dim,
+  capacity]`` (transposed, so that ``softmax(QK) @ V`` is a plain ``ggml_mul_mat``, as llama.cpp does
+  without flash attention); float32, zero-filled (a masked position must hold a finite number);
+- attention reads a window of ``L`` cache positions (``L`` rounded up to `_BUCKET`, so that a graph
+  serves 32 consecutive steps), masked by a ``[seq, L]`` additive mask computed per step.
+
+A graph is built per (rows, cache capacity, attended lengths, head or not) and reused; what changes
+per step (the cache's write and read offsets, positions, mask, input rows) is written into buffers
+and tensor ``data`` pointers before each compute. Measured figures: DESIGN.md §4.
+"""
+
+from __future__ import annotations
+
+import ctypes as C
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from larql_edge.model.kernels import _ggml
+from larql_edge.model.kernels._formats import FORMATS
+from larql_edge.model.kernels._matrix import CompactMatrix
+from larql_edge.model.kernels._threads import get_threads
+from larql_edge.model.spec import ModelSpec
+
+_F32, _I32 = 0, 26  # ggml_type numbers
+_ROPE_NEOX = 2  # the vindex keeps Hugging Face's q/k row order: rotate-half RoPE (GGML_ROPE_TYPE_NEOX)
+_BUCKET = 32  # attended lengths are rounded up to this: one graph serves this many decode steps
+_CHUNK = 64  # a longer prompt is computed in chunks of this many rows (bounded graph buffers)
+_FIRST_CAPACITY = 256
+_MAX_GRAPHS = 8
+
+
+@dataclass
+class GraphCache:
+    """The KV cache of the graph path: every position kept (rollback needs no slack), in buffers ggml
+    reads and writes in place. Same interface as `forward.KVCache` (``length``, ``truncate``)."""
+
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    capacity: int = 0
+    length: int = 0
+    slack: int = 0  # accepted for KVCache's interface; nothing is trimmed here
+    k: list[np.ndarray] = field(default_factory=list, repr=False)
+    v: list[np.ndarray] = field(default_factory=list, repr=False)
+    addrs: list[tuple[int, int]] = field(default_factory=list, repr=False)  # each layer's (K, V) buffer address
+
+    def reserve(self, n: int) -> None:
+        """Room for ``n`` positions (grows by doubling; the kept positions are copied)."""
+        if n <= self.capacity:
+            return
+        cap = max(_FIRST_CAPACITY, self.capacity)
+        while cap < n:
+            cap *= 2
+        k = [np.zeros((self.kv_heads, cap, self.head_dim), np.float32) for _ in range(self.num_layers)]
+        v = [np.zeros((self.kv_heads * self.head_dim, cap), np.float32) for _ in range(self.num_layers)]
+        for i in range(len(self.k)):
+            k[i][:, : self.length] = self.k[i][:, : self.length]
+            v[i][:, : self.length] = self.v[i][:, : self.length]
+        self.k, self.v, self.capacity = k, v, cap
+        self.addrs = [(a.ctypes.data, b.ctypes.data) for a, b in zip(k, v, strict=True)]
+
+    def truncate(self, length: int, windows: Sequence[int | None] | None = None) -> None:
+        """Forget the positions from ``length`` on (speculative decoding's rollback)."""
+        if length > self.length or length < 0:
+            raise ValueError(f"cannot truncate a cache of {self.length} positions to {length}")
+        self.length = length
+
+
+class _Pool:
+    """The process's one ggml thread pool (None for one thread: the calling thread computes alone)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.n = 0
+        self.ptr: int | None = None
+
+    def get(self) -> tuple[int, int | None]:
+        n = get_threads()
+        if n != self.n:
+            with self.lock:
+                if n != self.n:
+                    L = _ggml.lib()
+                    if self.ptr:
+                        L.cpu.ggml_threadpool_free(self.ptr)
+                        self.ptr = None
+                    if n > 1:
+                        params = L.base.ggml_threadpool_params_default(n)
+                        self.ptr = L.cpu.ggml_threadpool_new(C.byref(params))
+                    self.n = n
+        return self.n, self.ptr
+
+
+_pool = _Pool()
+
+
+def _rounded(n: int, cap: int) -> int:
+    return min(cap, -(-n // _BUCKET) * _BUCKET)
+
+
+class _Step:
+    """One built graph: ``seq`` rows through every layer (and the head when ``head``)."""
+
+    def __init__(self, eng: "GraphEngine", seq: int, cap: int, lens: dict[int | None, int], head: bool):
+        L = _ggml.lib()
+        b = L.base
+        s = eng.spec
+        self.seq, self.cap, self.lens, self.head = seq, cap, lens, head
+        hd, nq, nkv, hid = s.head_dim, s.num_q_heads, s.num_kv_heads, s.hidden_size
+        n_nodes = 64 * s.num_layers + 64
+        mem = n_nodes * 3 * int(b.ggml_tensor_overhead()) + int(b.ggml_graph_overhead_custom(n_nodes * 2, False)) + 4096
+        self._mem = np.empty(mem, np.uint8)
+        ctx = self._ctx = b.ggml_init(_ggml._InitParams(mem, self._mem.ctypes.data, True))
+        if not ctx:
+            raise _ggml.KernelError("ggml_init failed")
+        keep = self._keep = []  # numpy buffers some tensor points into
+
+        def leaf(arr: np.ndarray, t):
+            t.contents.data = arr.ctypes.data
+            keep.append(arr)
+            return t
+
+        # per-step inputs, filled before each compute
+        self.inp = np.zeros((seq, hid), np.float32)
+        self.pos = np.zeros(seq, np.int32)
+        self.masks = {w: np.zeros((seq, n), np.float32) for w, n in lens.items()}
+        inp = leaf(self.inp, b.ggml_new_tensor_2d(ctx, _F32, hid, seq))
+        pos = leaf(self.pos, b.ggml_new_tensor_1d(ctx, _I32, seq))
+        masks = {w: leaf(m, b.ggml_new_tensor_2d(ctx, _F32, m.shape[1], seq)) for w, m in self.masks.items()}
+        # the caches: one base tensor per layer (data set per step through the views below)
+        f4 = 4
+        self.k_write, self.v_write, self.k_read, self.v_read = [], [], [], []
+        gf = self._graph = b.ggml_new_graph_custom(ctx, n_nodes * 2, False)
+        cur = inp
+        for li in range(s.num_layers):
+            lw = eng.layers[li]
+            window = s.sliding_window if s.is_sliding(li) else None
+            n_att = lens[window]
+            kc = b.ggml_new_tensor_3d(ctx, _F32, hd, cap, nkv)
+            vc = b.ggml_new_tensor_2d(ctx, _F32, cap, nkv * hd)
+            kc.contents.data = vc.contents.data = 1  # placeholder (never read): views need a non-null base
+            x = eng.norm(ctx, cur, lw.pre_attn)
+            q = b.ggml_reshape_3d(ctx, eng.mm(ctx, lw.q, x), hd, nq, seq)
+            k = b.ggml_reshape_3d(ctx, eng.mm(ctx, lw.k, x), hd, nkv, seq)
+            v = eng.mm(ctx, lw.v, x)  # [nkv*hd, seq]
+            if lw.q_norm is not None:
+                q = eng.norm(ctx, q, lw.q_norm, s.rms_norm_eps)
+                k = eng.norm(ctx, k, lw.k_norm, s.rms_norm_eps)
+            base = float(s.rope_base_for(li))
+            q = b.ggml_rope_ext(ctx, q, pos, None, hd, _ROPE_NEOX, 0, base, 1.0, 0.0, 1.0, 0.0, 0.0)
+            k = b.ggml_rope_ext(ctx, k, pos, None, hd, _ROPE_NEOX, 0, base, 1.0, 0.0, 1.0, 0.0, 0.0)
+            # write this chunk's keys and values into the cache, before the attention reads it
+            kw = b.ggml_view_3d(ctx, kc, hd, nkv, seq, cap * hd * f4, hd * f4, 0)
+            vw = b.ggml_view_2d(ctx, vc, seq, nkv * hd, cap * f4, 0)
+            # (a copy's result is a view of its destination with the data pointer copied at build
+            # time: that result is what the compute writes through, so that is what gets repointed)
+            kw = b.ggml_cpy(ctx, k, kw)
+            vw = b.ggml_cpy(ctx, b.ggml_transpose(ctx, v), vw)
+            b.ggml_build_forward_expand(gf, kw)
+            b.ggml_build_forward_expand(gf, vw)
+            kr = b.ggml_view_3d(ctx, kc, hd, n_att, nkv, hd * f4, cap * hd * f4, 0)
+            vr = b.ggml_view_3d(ctx, vc, n_att, hd, nkv, cap * f4, cap * hd * f4, 0)
+            self.k_write.append(kw.contents)
+            self.v_write.append(vw.contents)
+            self.k_read.append(kr.contents)
+            self.v_read.append(vr.contents)
+            kq = b.ggml_mul_mat(ctx, kr, b.ggml_permute(ctx, q, 0, 2, 1, 3))  # [n_att, seq, nq]
+            if s.attn_logit_softcapping:
+                cap_ = float(s.attn_logit_softcapping)
+                kq = b.ggml_scale(ctx, b.ggml_tanh(ctx, b.ggml_scale(ctx, kq, float(s.attn_scale) / cap_)), cap_)
+                kq = b.ggml_soft_max_ext(ctx, kq, masks[window], 1.0, 0.0)
+            else:
+                kq = b.ggml_soft_max_ext(ctx, kq, masks[window], float(s.attn_scale), 0.0)
+            o = b.ggml_mul_mat(ctx, vr, kq)  # [hd, seq, nq]
+            o = b.ggml_cont_2d(ctx, b.ggml_permute(ctx, o, 0, 2, 1, 3), hd * nq, seq)
+            a = eng.mm(ctx, lw.o, o)
+            if lw.post_attn is not None:
+                a = eng.norm(ctx, a, lw.post_attn)
+            cur = b.ggml_add(ctx, cur, a)
+            x = eng.norm(ctx, cur, lw.pre_ffn)
+            g, u = eng.mm(ctx, lw.gate, x), eng.mm(ctx, lw.up, x)
+            f = eng.mm(ctx, lw.down, eng.glu(ctx, g, u))
+            if lw.post_ffn is not None:
+                f = eng.norm(ctx, f, lw.post_ffn)
+            cur = b.ggml_add(ctx, cur, f)
+        if head:
+            last = b.ggml_view_2d(ctx, cur, hid, 1, cur.contents.nb[1], (seq - 1) * cur.contents.nb[1])
+            y = eng.mm(ctx, eng.lm_head, eng.norm(ctx, last, eng.final_norm))
+            if s.final_logit_softcapping:
+                c = float(s.final_logit_softcapping)
+                y = b.ggml_scale(ctx, b.ggml_tanh(ctx, b.ggml_scale(ctx, y, 1.0 / c)), c)
+            self.out = np.zeros(eng.lm_head.shape[0], np.float32)
+        else:
+            y = cur
+            self.out = np.zeros((seq, hid), np.float32)
+        # the result lands in our buffer (the allocator leaves a tensor with data alone)
+        y = b.ggml_cpy(ctx, y, leaf(self.out, b.ggml_new_tensor_2d(ctx, _F32, self.out.shape[-1], 1 if head else seq)))
+        b.ggml_build_forward_expand(gf, y)
+        self.n_nodes = b.ggml_graph_n_nodes(gf)
+        self._galloc = b.ggml_gallocr_new(b.ggml_backend_cpu_buffer_type())
+        if not b.ggml_gallocr_alloc_graph(self._galloc, gf):
+            raise _ggml.KernelError("ggml_gallocr_alloc_graph failed")
+        self.buffer_bytes = int(b.ggml_gallocr_get_buffer_size(self._galloc, 0))
+        self._plans: dict[tuple[int, int | None], tuple[_ggml._CPlan, np.ndarray]] = {}
+        self._compute = L.cpu.ggml_graph_compute
+
+    def run(self, threads: int, pool: int | None) -> None:
+        plan = self._plans.get((threads, pool))
+        if plan is None:
+            p = _ggml.lib().cpu.ggml_graph_plan(self._graph, threads, pool)
+            work = np.empty(max(1, p.work_size), np.uint8)
+            p.work_data = work.ctypes.data
+            plan = self._plans[(threads, pool)] = (p, work)
+        if self._compute(self._graph, C.byref(plan[0])) != 0:
+            raise _ggml.KernelError("ggml_graph_compute failed")
+
+    def __del__(self) -> None:
+        lib = _ggml._lib
+        if lib is None:
+            return
+        if getattr(self, "_galloc", None):
+            lib.base.ggml_gallocr_free(self._galloc)
+            self._galloc = None
+        if getattr(self, "_ctx", None):
+            lib.base.ggml_free(self._ctx)
+            self._ctx = None
+
+
+@dataclass
+class _Layer:
+    q: CompactMatrix
+    k: CompactMatrix
+    v: CompactMatrix
+    o: CompactMatrix
+    gate: CompactMatrix
+    up: CompactMatrix
+    down: CompactMatrix
+    q_norm: np.ndarray | None
+    k_norm: np.ndarray | None
+    pre_attn: np.ndarray
+    post_attn: np.ndarray | None
+    pre_ffn: np.ndarray
+    post_ffn: np.ndarray | None
+
+
+def graphable(m) -> bool:
+    return isinstance(m, CompactMatrix) and m.fmt in _ggml.TYPE
+
+
+class GraphEngine:
+    """Runs a local model's steps as ggml graphs. Built from the Transformer's own weights (no copy:
+    the weight tensors point at the CompactMatrix bytes, the vindex's memory map)."""
+
+    def __init__(self, spec: ModelSpec, attn: list, ffn: list, head_matrix: CompactMatrix | None,
+                 final_norm: np.ndarray | None):
+        self.spec = spec
+        off = np.float32(spec.family.norm_offset)
+
+        def nw(w):  # Gemma multiplies by (1 + w): folded once here, as llama.cpp's GGUF does
+            return None if w is None else np.ascontiguousarray((w + off) if off else w, dtype=np.float32)
+
+        self.layers = [
+            _Layer(a.q, a.k, a.v, a.o, f.gate, f.up, f.down, nw(a.q_norm), nw(a.k_norm), nw(a.pre_attn_norm),
+                   nw(a.post_attn_norm), nw(a.pre_ffn_norm), nw(a.post_ffn_norm))
+            for a, f in zip(attn, ffn, strict=True)
+        ]
+        self.lm_head = head_matrix
+        self.final_norm = nw(final_norm)
+        self.glu_name = {"gelu_tanh": "ggml_geglu_split", "silu": "ggml_swiglu_split"}[spec.family.activation]
+        self._weights: dict[int, tuple] = {}  # id(matrix) -> (tensor, ctx memory) in a weights context
+        self._graphs: OrderedDict[tuple, _Step] = OrderedDict()
+        self._layer_kind = [spec.sliding_window if spec.is_sliding(i) else None for i in range(spec.num_layers)]
+        self._kinds = sorted(set(self._layer_kind), key=lambda w: w or 0)
+        self._lock = threading.Lock()
+        self._wmem = None
+        self._wctx = None
+
+    # -- graph building helpers (called by _Step) -----------------------------------------------
+
+    def _weights_ctx(self):
+        if self._wctx is None:
+            b = _ggml.lib().base
+            n = 16 * (len(self.layers) + 2) + 64
+            self._wmem = np.empty(n * int(b.ggml_tensor_overhead()), np.uint8)
+            self._wctx = b.ggml_init(_ggml._InitParams(self._wmem.nbytes, self._wmem.ctypes.data, True))
+        return self._wctx
+
+    def _weight(self, m: CompactMatrix):
+        t = self._weights.get(id(m))
+        if t is None:
+            b = _ggml.lib().base
+            ctx = self._weights_ctx()
+            rows, cols = m.shape
+            if m.fmt == "f32":
+                data, ne0 = np.ascontiguousarray(m.data, dtype=np.float32), cols
+            else:
+                data, ne0 = m.data, FORMATS[m.fmt].padded_cols(cols)
+            w = b.ggml_new_tensor_2d(ctx, _ggml.TYPE[m.fmt], ne0, rows)
+            if w.contents.nb[1] != data.strides[0]:
+                raise _ggml.KernelError(f"weight row bytes {data.strides[0]} != ggml's {w.contents.nb[1]}")
+            w.contents.data = data.ctypes.data
+            t = self._weights[id(m)] = (w, data, m)
+        return t[0]
+
+    def mm(self, ctx, m: CompactMatrix, x):
+        b = _ggml.lib().base
+        w = self._weight(m)
+        pad = w.contents.ne[0] - x.contents.ne[0]
+        if pad:
+            x = b.ggml_pad(ctx, x, pad, 0, 0, 0)
+        return b.ggml_mul_mat(ctx, w, x)
+
+    def norm(self, ctx, x, w: np.ndarray, eps: float | None = None):
+        b = _ggml.lib().base
+        t = self._vec(w)
+        return b.ggml_mul(ctx, b.ggml_rms_norm(ctx, x, float(self.spec.rms_norm_eps if eps is None else eps)), t)
+
+    def _vec(self, w: np.ndarray):
+        t = self._weights.get(id(w))
+        if t is None:
+            b = _ggml.lib().base
+            v = b.ggml_new_tensor_1d(self._weights_ctx(), _F32, w.shape[0])
+            v.contents.data = w.ctypes.data
+            t = self._weights[id(w)] = (v, w, None)
+        return t[0]
+
+    def glu(self, ctx, g, u):
+        return getattr(_ggml.lib().base, self.glu_name)(ctx, g, u)
+
+    # -- running -----------------------------------------------------------------------------------
+
+    def new_cache(self, slack: int = 0) -> GraphCache:
+        s = self.spec
+        return GraphCache(s.num_layers, s.num_kv_heads, s.head_dim, slack=slack)
+
+    def _graph(self, seq: int, cap: int, lens: tuple, head: bool) -> _Step:
+        key = (seq, cap, lens, head)
+        g = self._graphs.get(key)
+        if g is None:
+            g = _Step(self, seq, cap, dict(lens), head)
+            self._graphs[key] = g
+            while len(self._graphs) > _MAX_GRAPHS:
+                self._graphs.popitem(last=False)
+        else:
+            self._graphs.move_to_end(key)
+        return g
+
+    def step(self, rows: np.ndarray, cache: GraphCache, head: bool) -> np.ndarray:
+        """``rows`` (embedded, ``[seq, hidden]``) through every layer, appended to ``cache``; returns
+        the logits of the last row ``[vocab]`` (``head``) or the residual ``[seq, hidden]``."""
+        seq = rows.shape[0]
+        if head and seq > _CHUNK:
+            self.step(rows[:-_CHUNK], cache, False)
+            return self.step(rows[-_CHUNK:], cache, True)
+        if seq > _CHUNK:
+            return np.concatenate([self.step(rows[i : i + _CHUNK], cache, False) for i in range(0, seq, _CHUNK)])
+        with self._lock:
+            return self._step(rows, cache, head)
+
+    def _step(self, rows: np.ndarray, cache: GraphCache, head: bool) -> np.ndarray:
+        seq, start = rows.shape[0], cache.length
+        end = start + seq
+        cache.reserve(end)
+        cap = cache.capacity
+        # each window kind's first attended cache position and length (a multiple of _BUCKET)
+        spans, lens = {}, []
+        for w in self._kinds:
+            lo = 0 if w is None else max(0, start - w + 1)
+            n = _rounded(end - lo, cap)
+            spans[w] = (min(lo, cap - n), n)
+            lens.append((w, n))
+        g = self._graph(seq, cap, tuple(lens), head)
+        g.inp[:] = rows
+        g.pos[:] = np.arange(start, end, dtype=np.int32)
+        q_pos = g.pos[:, None]
+        for w, (a, n) in spans.items():
+            k_pos = np.arange(a, a + n, dtype=np.int32)[None, :]
+            ok = k_pos <= q_pos
+            if w is not None:
+                ok &= (q_pos - k_pos) < w
+            m = g.masks[w]
+            m.fill(-np.inf)
+            m[ok] = 0.0
+        hd4 = self.spec.head_dim * 4
+        kw, vw, kr, vr = g.k_write, g.v_write, g.k_read, g.v_read
+        for i, (w, (kb, vb)) in enumerate(zip(self._layer_kind, cache.addrs, strict=True)):
+            a = spans[w][0]
+            kw[i].data = kb + start * hd4
+            vw[i].data = vb + start * 4
+            kr[i].data = kb + a * hd4
+            vr[i].data = vb + a * 4
+        g.run(*_pool.get())
+        cache.length = end
+        return g.out.copy()
