@@ -217,8 +217,12 @@ class RouterLink:
                         ok = await self.join()
                         wait = self.interval if ok else REFUSED_RETRY_S
                     else:
+                        # Start to start: a heartbeat the busy router took a second to answer must not
+                        # stretch the gap to interval + that second (3 intervals is the eviction age).
+                        t0 = asyncio.get_running_loop().time()
                         await self.heartbeat()
-                        wait = self.interval if self.member_id else 0.0
+                        took = asyncio.get_running_loop().time() - t0
+                        wait = max(0.0, self.interval - took) if self.member_id else 0.0
                     delay = RETRY_FIRST_S
                 except _Refused:
                     wait = REFUSED_RETRY_S

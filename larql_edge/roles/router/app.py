@@ -115,9 +115,14 @@ def create_app(registry: Registry, grid_key: str, limits: Limits | None = None, 
 async def _housekeeping(app: Sanic, registry: Registry, metrics: RouterMetrics) -> None:
     """Evict members whose heartbeats stopped; probe static members; refresh the gauges."""
     period = max(0.05, registry.heartbeat_interval / 2)
+    loop = asyncio.get_running_loop()
+    lags: list[tuple[float, float]] = []  # (when, how late a tick was) over the last eviction age
+    due = loop.time() + period
     while True:
+        now = loop.time()
+        lags = [(t, lag) for t, lag in lags if now - t <= registry.evict_after] + [(now, max(0.0, now - due))]
         try:
-            for m in registry.evict_stale():
+            for m in registry.evict_stale(own_lag=max(lag for _, lag in lags)):
                 metrics.evictions.inc()
                 log.warning("evicted %s %s at %s: no heartbeat for %.1fs", m.capability, m.id, m.url, registry.evict_after)
             await _probe_static(app, registry)
@@ -128,6 +133,7 @@ async def _housekeeping(app: Sanic, registry: Registry, metrics: RouterMetrics) 
             raise
         except Exception:  # housekeeping must outlive any one bad round
             log.exception("housekeeping round failed")
+        due = loop.time() + period
         await asyncio.sleep(period)
 
 

@@ -201,9 +201,13 @@ class Registry:
             del self.members[member_id]
         return m
 
-    def evict_stale(self) -> list[Member]:
+    def evict_stale(self, own_lag: float = 0.0) -> list[Member]:
+        """Members silent for longer than ``evict_after`` plus ``own_lag``: how late this router's own
+        loop has recently been (a heartbeat that waited in a busy router's queue is not the member's
+        silence: the router must not blame a member for its own overload)."""
         now = self.clock()
-        stale = [m for m in self.members.values() if not m.static and now - m.last_seen > self.evict_after]
+        limit = self.evict_after + max(0.0, own_lag)
+        stale = [m for m in self.members.values() if not m.static and now - m.last_seen > limit]
         for m in stale:
             del self.members[m.id]
         return stale
