@@ -398,10 +398,9 @@ def test_schemathesis_finds_no_failure(tiny_models, grid):
     context), as the other roles' documents are (tests/test_openapi.py)."""
     import os
 
+    from larql_edge.roles.serve.api import MAX_PROMPTS
     from larql_edge.roles.serve.openapi import openapi_spec
     from tests._schemathesis import run
-
-    from larql_edge.roles.serve.api import MAX_PROMPTS
 
     limits = Limits(context=256)
     with _serve(tiny_models["gemma3"], grid["router"].url, limits, chat=True) as s:
