@@ -212,6 +212,9 @@ class _FixedDrafter:
         return Draft(self.tokens[:k])
 
 
+# 3000 sampled generations each (6-7 s of CPU, 30 s on a loaded machine): the slow tier. The fast tier
+# keeps the acceptance rule's own chi-square (above) and serve's sampled speculation (below).
+@pytest.mark.slow
 @pytest.mark.parametrize("drafter", ["fixed", "model"])
 def test_sampled_speculation_keeps_the_models_distribution(tiny_models, drafter):
     """The second token of a sampled continuation (3 tokens: the second is the first one that went through acceptance) over
