@@ -86,7 +86,10 @@ def grid(vindex: Path, ranges: Sequence[str], *, replicas: int = 1, embed_vindex
     from tests._grid import wait_grid
 
     with ExitStack() as stack:
-        r = stack.enter_context(router())
+        # Heartbeats every 0.25 s, eviction only after 10 s without one: on two loaded cores (or beside
+        # another pytest worker) a member's heartbeat can be a second late, and these grids serve whole
+        # modules of tests that are not about eviction (test_router_registry and test_router_faults are).
+        r = stack.enter_context(router(evict_after=10.0))
         e = stack.enter_context(embed({"m": embed_vindex or vindex}, join=r.url))
         shards = {rng: [stack.enter_context(shard(vindex, rng, join=r.url)) for _ in range(replicas)] for rng in ranges}
         wait_ready(e, timeout=timeout)

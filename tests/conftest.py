@@ -2,10 +2,13 @@
 
 Tiers: ``-m "not slow"`` is the fast tier: in-process (servers run in threads, CLIs through their
 ``main``), no subprocess at all (`_no_subprocess_in_the_fast_tier` fails a test that starts one),
-tiny models generated in-test, under a minute on 2 cores. ``slow`` is added to every test marked
-``real_model``, ``multiprocess`` or ``docker``, and to every test that uses a real-model fixture; an
-in-process test that takes tens of seconds (schemathesis fuzzing, Hub round trips of whole vindexes)
-carries ``slow`` itself (`scripts/test` lists the slowest tests of a run: look there first).
+tiny models generated in-test. `scripts/test -m "not slow"` runs it on 2 pytest-xdist workers, a test
+file per worker at a time (module fixtures are built once; tests must not share ports, files or
+environment across files). ``slow`` is added to every test marked ``real_model``, ``multiprocess`` or
+``docker``, and to every test that uses a real-model fixture; an in-process test that takes tens of
+seconds (schemathesis fuzzing, Hub round trips of whole vindexes) or several seconds of CPU (thousands
+of sampled generations) carries ``slow`` itself (`scripts/test` lists the slowest tests of a run: look
+there first).
 
 Under ``CI`` no skip is allowed: a skip there would hide a missing piece (a tool not installed, a
 model not found), so it is turned into a failure. Only a skip whose reason starts with
@@ -15,6 +18,7 @@ model not found), so it is turned into a failure. Only a skip whose reason start
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 from pathlib import Path
@@ -96,6 +100,22 @@ def _isolated_env(monkeypatch):
             monkeypatch.delenv(name)
     if _CACHE_DIR:
         monkeypatch.setenv("LARQL_CACHE_DIR", _CACHE_DIR)
+
+
+@pytest.fixture(autouse=True)
+def _logging_restored():
+    """A CLI's `main` run in-process (`setup_logging`, `basicConfig`) adds a handler bound to the
+    sys.stderr of that moment, a capture closed when its test ends: a later test's log line would
+    then print a "Logging error" traceback into whatever that test reads as stderr."""
+    loggers = [logging.getLogger(), logging.getLogger("larql")]
+    saved = [(lg, list(lg.handlers), lg.level, lg.propagate) for lg in loggers]
+    yield
+    for lg, handlers, level, propagate in saved:
+        for h in list(lg.handlers):
+            if h not in handlers and not type(h).__module__.startswith("_pytest"):  # pytest's own come and go per phase
+                lg.removeHandler(h)
+        lg.setLevel(level)
+        lg.propagate = propagate
 
 
 @pytest.fixture(autouse=True)

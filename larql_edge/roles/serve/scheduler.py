@@ -291,6 +291,7 @@ class Scheduler:
         self.last_step_ms = 0.0
         self.speculation = speculation or Settings(enabled=False)
         self.drafted_tokens = 0
+        self.step_draft: deque[float] = deque(maxlen=10000)  # a draft model's seconds per step (metrics drain it)
         self.accepted_tokens = 0
         self.full_rows = 0  # whole logits rows asked for (sampling controls the candidates could not decide)
         self.on_step: Callable[[int], None] = lambda rows: None  # rows (positions) of each step
@@ -404,7 +405,10 @@ class Scheduler:
         owners: list[Seq] = []
         drafts: list[list[int]] = []
         decoding = [s for s in batch if s.fed == len(s.prompt)]
+        t_draft = time.perf_counter()
         proposed = {s.id: self._drafts(s) for s in decoding}
+        if self.speculation.draft is not None and decoding:
+            self.step_draft.append(time.perf_counter() - t_draft)
         budget = max(1, self.step_tokens - sum(1 + len(d) for d in proposed.values()))
         for s in batch:
             assert s.cache is not None
