@@ -1,7 +1,13 @@
 """Grid benchmark: decode tokens/s through the three-tier grid against the local single-process
 forward measured in the same run, per-hop latency, 59-token prefill, and the RSS of each role.
 
-    python benchmarks/grid.py [--model gemma3-270m] [--tokens 32] [--rounds 3] [--out benchmarks/results/grid.txt]
+    python benchmarks/grid.py [--model gemma3-270m] [--tokens 32] [--rounds 3] [--replicas 2]
+                              [--compare-code DIR] [--out benchmarks/results/grid.txt]
+
+``--replicas 2`` (the default) runs two replicas of each range, so the direct data path hedges its hops
+as on a production grid. ``--compare-code DIR`` also decodes on the direct path from client processes
+running this tree and the larql-edge tree at DIR (e.g. an older checkout), alternately, for a
+same-run ratio of the two versions' clients against the same grid.
 
 Every role runs as a local process on loopback with 1 BLAS thread (as `larql-grid up` starts them);
 this process also pins itself to 1 BLAS thread, so the baseline and the grid get the same compute.
@@ -84,12 +90,50 @@ def client_rss_mb(vindex: Path, router: str) -> float:
     return float(r.stdout.strip().splitlines()[-1])
 
 
+_DECODE_CHILD = """
+import os, sys, time, json
+import numpy as np
+from threadpoolctl import threadpool_limits
+threadpool_limits(1)
+from larql_edge.format.vindex import Vindex
+from larql_edge.net.remote import RemoteSettings
+from larql_edge.roles.client._build import build_remote
+m = build_remote(Vindex.open(sys.argv[1]), RemoteSettings(ffn=sys.argv[2], timeout=120.0, retries=4))
+ids, tokens = json.loads(sys.argv[3]), int(sys.argv[4])
+cache = m.new_cache()
+logits = m.next_logits(ids, cache)
+for _ in range(tokens):  # warm-up: the topology is learned, the hop times too
+    logits = m.next_logits([int(np.argmax(logits))], cache)
+cache = m.new_cache()
+logits = m.next_logits(ids, cache)
+t0 = time.perf_counter()
+for _ in range(tokens):
+    logits = m.next_logits([int(np.argmax(logits))], cache)
+print(tokens / (time.perf_counter() - t0))
+"""
+
+
+def child_decode_rate(code: Path, vindex: Path, router: str, ids: list[int], tokens: int) -> float:
+    """Decode tok/s on the direct path from a client process running the larql-edge tree at ``code``."""
+    import json
+
+    env = {**os.environ, "PYTHONPATH": str(code)}
+    r = subprocess.run([sys.executable, "-c", _DECODE_CHILD, str(vindex), router, json.dumps(ids), str(tokens)],
+                       capture_output=True, text=True, cwd=str(code), env=env, timeout=900)
+    if r.returncode:
+        raise RuntimeError(r.stderr[-2000:])
+    return float(r.stdout.strip().splitlines()[-1])
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="gemma3-270m")
     ap.add_argument("--vindex", default=None, help="use this vindex instead of the cached one")
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--replicas", type=int, default=2, help="FFN shards per layer range")
+    ap.add_argument("--compare-code", default=None, metavar="DIR",
+                    help="also compare the direct path's client from this tree against the one at DIR")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "grid.txt"))
     args = ap.parse_args()
     threadpool_limits(1)
@@ -109,7 +153,7 @@ def main() -> int:
     n_layers = Vindex.open(vindex).num_layers
     ranges = split_even(n_layers, 2)
     host = "127.0.0.1"
-    rp, ep, *sp = pick_ports(host, [19590, 19582, 19580, 19581])
+    rp, ep, *sp = pick_ports(host, [19590, 19582, *range(19600, 19600 + len(ranges) * args.replicas)])
     env = role_env(dict(os.environ), LARQL_GRID_KEY="bench-key", PYTHONUNBUFFERED="1")
     sup = Supervisor(Path(tempfile.mkdtemp(prefix="larql-bench-")), env)
     url = lambda p: f"http://{host}:{p}"  # noqa: E731
@@ -119,8 +163,10 @@ def main() -> int:
         embed_argv = ["larql-embed", str(paths["embed"]), "--port", str(ep), *common, "--join", url(rp)]
         router = sup.start("router", router_argv, url(rp))
         embed = sup.start("embed", embed_argv, url(ep))
-        shards = [sup.start(f"ffn-{r}", ["larql-ffn", str(paths["ffn"]), "--layers", str(r), "--port", str(p), *common,
-                                         "--join", url(rp)], url(p), layers=str(r)) for r, p in zip(ranges, sp, strict=True)]
+        placed = [(r, i) for i in range(args.replicas) for r in ranges]
+        shards = [sup.start(f"ffn-{r}" + (f"-{i}" if args.replicas > 1 else ""),
+                            ["larql-ffn", str(paths["ffn"]), "--layers", str(r), "--port", str(p), *common,
+                             "--join", url(rp)], url(p), layers=str(r)) for (r, i), p in zip(placed, sp, strict=True)]
         deadline = time.monotonic() + 900
         sup.wait_ready(sup.roles, deadline)
         while not httpx.get(router.url + "/v1/grid").json()["complete"]:
@@ -129,8 +175,8 @@ def main() -> int:
         local = Transformer.local(vindex)
         grid = build_remote(Vindex.open(paths["client"]), remote_args(ffn=router.url, direct=False))
         topo = build_remote(Vindex.open(paths["client"]), remote_args(ffn=router.url))  # the direct data path
-        direct = build_remote(Vindex.open(paths["client"]), remote_args(
-            ffn=",".join(f"{s.info['layers']}={s.url}" for s in shards), embed=embed.url))
+        direct = build_remote(Vindex.open(paths["client"]), remote_args(  # one shard per range, no hedging
+            ffn=",".join(f"{s.info['layers']}={s.url}" for s in shards[: len(ranges)]), embed=embed.url))
 
         tok = Vindex.open(vindex).load_tokenizer()
         prompt = tok.encode("The capital of France is").ids
@@ -139,7 +185,8 @@ def main() -> int:
 
         say(f"larql-edge grid benchmark: {args.model} ({n_layers} layers), vindex {vindex.name}")
         say(f"  machine: {os.cpu_count()} cores (shared), every process 1 BLAS thread; loopback HTTP")
-        say(f"  grid: router + embed server + 2 FFN shards ({', '.join(str(r) for r in ranges)})")
+        say(f"  grid: router + embed server + {len(shards)} FFN shards ({', '.join(str(r) for r in ranges)}"
+            + (f", {args.replicas} replicas each)" if args.replicas > 1 else ")"))
         say("")
 
         # Decode: rounds interleave the three configurations so machine noise hits them alike.
@@ -157,11 +204,28 @@ def main() -> int:
         say(f"  grid, direct data path    {best['topo']:6.1f} tok/s   {best['topo'] / best['local']:.2f}x local   "
             f"{best['topo'] / best['grid']:.2f}x via router   (--ffn ROUTER: shards learned from /v1/topology)")
         say(f"  grid, shards by hand      {best['direct']:6.1f} tok/s   {best['direct'] / best['local']:.2f}x local   "
-            f"{best['direct'] / best['grid']:.2f}x via router   (--ffn 0-8=URL,9-17=URL --embed URL)")
+            f"{best['direct'] / best['grid']:.2f}x via router   (--ffn 0-8=URL,9-17=URL --embed URL: one replica each)")
         say(f"  (all rounds: local {', '.join(f'{r:.1f}' for r in rates['local'])}; "
             f"grid {', '.join(f'{r:.1f}' for r in rates['grid'])}; direct path {', '.join(f'{r:.1f}' for r in rates['topo'])}; "
             f"by hand {', '.join(f'{r:.1f}' for r in rates['direct'])})")
+        paired = lambda a, b: float(np.median([x / y for x, y in zip(rates[a], rates[b], strict=True)]))  # noqa: E731
+        say(f"  (median of the per-round ratios, rounds interleaved: direct path {paired('topo', 'grid'):.2f}x via router, "
+            f"by hand {paired('direct', 'grid'):.2f}x via router, direct path {paired('topo', 'direct'):.2f}x by hand)")
         say("")
+
+        if args.compare_code:
+            other = Path(args.compare_code).resolve()
+            cmp: dict[str, list[float]] = {"this": [], "other": []}
+            for _ in range(args.rounds):
+                cmp["this"].append(child_decode_rate(ROOT, paths["client"], router.url, prompt, args.tokens))
+                cmp["other"].append(child_decode_rate(other, paths["client"], router.url, prompt, args.tokens))
+            bt, bo = max(cmp["this"]), max(cmp["other"])
+            say(f"Direct data path, client from this tree vs {other} (separate client processes, alternating, best of {args.rounds}):")
+            say(f"  this tree   {bt:6.1f} tok/s   {bt / bo:.2f}x   (all rounds: {', '.join(f'{r:.1f}' for r in cmp['this'])})")
+            say(f"  {other.name:11s} {bo:6.1f} tok/s   (all rounds: {', '.join(f'{r:.1f}' for r in cmp['other'])})")
+            pr = float(np.median([x / y for x, y in zip(cmp["this"], cmp["other"], strict=True)]))
+            say(f"  median of the per-round ratios: this tree {pr:.2f}x {other.name}")
+            say("")
 
         pf = {k: min(prefill_seconds(m, long_ids) for _ in range(args.rounds))
               for k, m in (("local", local), ("grid", grid), ("direct", direct))}

@@ -1,11 +1,12 @@
-"""Quantized compute (issue #13), one run: today's float32 path against the compact kernels.
+"""Quantized compute (issues #13, #17), one run: today's float32 path against the compact kernels.
 
     python benchmarks/quantized.py [--model gemma3-270m] [--tokens 32] [--rounds 3] [--quick]
-                                   [--part embed,local,grid,ffn,llama] [--out benchmarks/results/quantized.txt]
+                                   [--part embed,local,grid,ffn,llama] [--repeats 2] [--layerwise]
+                                   [--out benchmarks/results/quantized.txt]
 
 ``--part`` runs some of the parts only (default: all): ``embed`` (the embed servers' RSS and
 ``/v1/logits`` p50), ``local`` (local decode), ``grid`` (grid decode), ``ffn`` (FFN shard throughput),
-``llama`` (llama.cpp; needs ``local``). E.g. the serving figures alone:
+``llama`` (the gguf vindex against llama.cpp at equal threads, 1 and 2). E.g. the serving figures alone:
 ``--part embed,ffn --out benchmarks/results/quantized-serving.txt``.
 
 Configurations, each measured in the same run (the machine is shared: only the ratios travel):
@@ -17,7 +18,8 @@ Measured: the embed server's RSS after start and after 10,000 row lookups agains
 its slice; ``/v1/logits`` p50 (one residual, raw f32 reply); local decode tokens/s; grid decode
 tokens/s (router, embed server, 2 FFN shards, attention-only client, all local processes); aggregate
 FFN-shard throughput at 1 and 16 rows (two concurrent clients); and, when ``llama_cpp`` imports,
-llama.cpp's decode on the same GGUF at 1 and 2 threads. Every process pins BLAS to one thread.
+the gguf vindex's local decode against llama.cpp's on the same GGUF at equal threads (1 and 2; ours
+set by LARQL_KERNEL_THREADS), alternating processes. Every process pins BLAS to one thread.
 """
 
 from __future__ import annotations
@@ -70,13 +72,18 @@ def folder_mb(path: Path) -> float:
 PROMPT_IDS: list[int] = []
 
 
-def worker(vindex: Path, backend: str, tokens: int, rounds: int, ffn: str | None = None, embed: str | None = None) -> dict:
+def worker(vindex: Path, backend: str, tokens: int, rounds: int, ffn: str | None = None, embed: str | None = None,
+           threads: int | None = None, graph: str | None = None) -> dict:
     argv = [sys.executable, str(ROOT / "benchmarks" / "_decode_worker.py"), str(vindex), "--tokens", str(tokens),
             "--rounds", str(rounds), "--prompt-ids", ",".join(map(str, PROMPT_IDS))]
     if ffn:
         argv += ["--ffn", ffn, "--embed", embed or ffn]
-    r = subprocess.run(argv, capture_output=True, text=True, timeout=3600, cwd=ROOT,
-                       env={**os.environ, "LARQL_BACKEND": backend})
+    env = {**os.environ, "LARQL_BACKEND": backend}
+    if threads:
+        env["LARQL_KERNEL_THREADS"] = str(threads)
+    if graph:
+        env["LARQL_GRAPH"] = graph
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=3600, cwd=ROOT, env=env)
     if r.returncode:
         raise RuntimeError(f"decode worker failed ({backend}, {vindex.name}):\n{r.stderr[-3000:]}")
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -110,7 +117,9 @@ def shard_throughput(client_url: str, hidden: int, layers: int, rows: int, secon
     return sum(done) / (time.monotonic() - t0)
 
 
-def llama_cpp_rates(gguf_path: Path, tokens: int, prompt: list[int]) -> dict[int, tuple[float, list[int]]] | None:
+def llama_cpp_rate(gguf_path: Path, tokens: int, prompt: list[int], threads: int, rounds: int) -> tuple[float, list[int]] | None:
+    """llama.cpp's greedy decode on the GGUF (llama-cpp-python, its own process): best tokens/s of
+    ``rounds`` (prefill excluded, as `_decode_worker`) and the ids; None when llama_cpp is missing."""
     try:
         import llama_cpp  # noqa: F401
     except ImportError:
@@ -120,24 +129,56 @@ def llama_cpp_rates(gguf_path: Path, tokens: int, prompt: list[int]) -> dict[int
         "import numpy as np\n"
         "from llama_cpp import Llama\n"
         f"ids = {prompt!r}\n"
-        "out = {}\n"
-        "for th in (1, 2):\n"
-        f"    m = Llama(model_path={str(gguf_path)!r}, n_threads=th, n_ctx=256, verbose=False, logits_all=False)\n"
-        "    best, toks = 0.0, []\n"
-        "    for _ in range(3):\n"
-        "        m.reset(); m.eval(ids); toks = []\n"
-        "        t0 = time.perf_counter()\n"
-        f"        for _ in range({tokens}):\n"
-        "            t = int(np.argmax(m.scores[m.n_tokens - 1]))\n"
-        "            toks.append(t); m.eval([t])\n"
-        f"        best = max(best, {tokens} / (time.perf_counter() - t0))\n"
-        "    out[th] = [best, toks]\n"
-        "print(json.dumps(out))\n"
+        f"m = Llama(model_path={str(gguf_path)!r}, n_threads={threads}, n_threads_batch={threads}, n_ctx=256, "
+        "verbose=False, logits_all=False)\n"
+        "best, toks = 0.0, []\n"
+        f"for _ in range({rounds}):\n"
+        "    m.reset(); m.eval(ids); toks = []\n"
+        "    t0 = time.perf_counter()\n"
+        f"    for _ in range({tokens}):\n"
+        "        t = int(np.argmax(m.scores[m.n_tokens - 1]))\n"
+        "        toks.append(t); m.eval([t])\n"
+        f"    best = max(best, {tokens} / (time.perf_counter() - t0))\n"
+        "print(json.dumps([best, toks]))\n"
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=1800)
     if r.returncode:
-        return {0: (float("nan"), [r.stderr[-500:]])}
-    return {int(k): (v[0], v[1]) for k, v in json.loads(r.stdout.strip().splitlines()[-1]).items()}
+        raise RuntimeError(f"llama.cpp run failed: {r.stderr[-1000:]}")
+    rate, toks = json.loads(r.stdout.strip().splitlines()[-1])
+    return rate, toks
+
+
+def llama_cpp_section(say, args, full: dict) -> None:
+    """Local decode of the gguf vindex against llama.cpp on the same GGUF, at equal threads (1 and 2),
+    alternating the two so that the machine's load hits both alike."""
+    from larql_edge.tools.slicer.extract._source import _package_gguf
+
+    gguf = _package_gguf(args.model)
+    say(f"Local decode of the gguf vindex vs llama.cpp on the same GGUF ({gguf.name}), equal threads "
+        f"({args.tokens} tokens after a {len(PROMPT_IDS)}-token prompt; best of {args.rounds} rounds per process, "
+        f"{args.repeats} processes each, alternating):")
+    for th in (1, 2):
+        ours, theirs, graph_off = [], [], []
+        for _ in range(args.repeats):
+            ours.append(worker(full["gguf"], "compact", args.tokens, args.rounds, threads=th))
+            lc = llama_cpp_rate(gguf, args.tokens, PROMPT_IDS, th, args.rounds)
+            if lc is None:
+                say("  llama.cpp: llama_cpp (llama-cpp-python) is not installed; not measured")
+                return
+            theirs.append(lc)
+            if args.layerwise:
+                graph_off.append(worker(full["gguf"], "compact", args.tokens, args.rounds, threads=th, graph="off"))
+        best = max(ours, key=lambda r: r["rate"])
+        lrate, ltoks = max(theirs, key=lambda x: x[0])
+        ours_s = ", ".join("%.1f" % x["rate"] for x in ours)
+        theirs_s = ", ".join("%.1f" % x[0] for x in theirs)
+        per = f"per process: ours {ours_s}; llama.cpp {theirs_s}"
+        say(f"  {th} thread(s): larql-edge {best['rate']:6.1f} tok/s   llama.cpp {lrate:6.1f} tok/s   "
+            f"ratio {best['rate'] / lrate:.2f}x   same {args.tokens} tokens: {best['ids'] == ltoks}   ({per})")
+        if graph_off:
+            off = max(r["rate"] for r in graph_off)
+            say(f"             larql-edge product by product (LARQL_GRAPH=off) {off:6.1f} tok/s   ratio {off / lrate:.2f}x")
+    say("")
 
 
 def main() -> int:
@@ -147,14 +188,14 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--lookups", type=int, default=10_000)
     ap.add_argument("--quick", action="store_true", help="fewer tokens, rounds and requests (a few minutes)")
+    ap.add_argument("--repeats", type=int, default=2, help="processes per side in the llama.cpp comparison")
+    ap.add_argument("--layerwise", action="store_true", help="also the product-by-product path in the llama.cpp comparison")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "quantized.txt"))
     ap.add_argument("--part", default=",".join(PARTS), help="comma-separated parts to run: " + ", ".join(PARTS))
     args = ap.parse_args()
     parts = set(args.part.split(","))
     if not parts <= set(PARTS):
         ap.error(f"--part: unknown {', '.join(sorted(parts - set(PARTS)))}; expected some of {', '.join(PARTS)}")
-    if "llama" in parts:
-        parts.add("local")
     if args.quick:
         args.tokens, args.rounds, args.lookups = 12, 1, 2000
     lines: list[str] = []
@@ -163,9 +204,11 @@ def main() -> int:
         print(s, flush=True)
         lines.append(s)
 
-    full = {k: cached_vindex(args.model, dtype="f16", quant=q, log=lambda m: None) for k, (q, _) in CONFIGS.items()}
-    slices = {k: {role: cached_slice(v, ROLE_PRESETS[role]) for role in ("embed", "ffn", "client")} for k, v in full.items()}
-    vx = Vindex.open(full["f32"])
+    wanted = CONFIGS if parts - {"llama"} else {"gguf": CONFIGS["gguf"]}
+    full = {k: cached_vindex(args.model, dtype="f16", quant=q, log=lambda m: None) for k, (q, _) in wanted.items()}
+    slices = {k: {role: cached_slice(v, ROLE_PRESETS[role]) for role in ("embed", "ffn", "client")} for k, v in full.items()} \
+        if parts & {"embed", "grid", "ffn"} else {}
+    vx = Vindex.open(full["gguf"])
     from tokenizers import Tokenizer
 
     PROMPT_IDS[:] = Tokenizer.from_file(str(vx.tokenizer_path)).encode("The capital of France is").ids
@@ -283,19 +326,9 @@ def main() -> int:
                                                     for n in ROWS))
                 say("")
 
-        # -- llama.cpp on the same GGUF ------------------------------------------------------------
+        # -- llama.cpp on the same GGUF, at equal threads -------------------------------------------
         if "llama" in parts:
-            from larql_edge.tools.slicer.extract._source import _package_gguf
-
-            lc = llama_cpp_rates(_package_gguf(args.model), args.tokens, PROMPT_IDS)
-            if lc is None:
-                say("llama.cpp: llama_cpp (llama-cpp-python) is not installed; not measured")
-            else:
-                best_ours = max(r["rate"] for r in local["gguf"])
-                for th, (rate, toks) in sorted(lc.items()):
-                    say(f"llama.cpp, {th} thread(s): {rate:6.1f} tok/s; larql-edge gguf local is {best_ours / rate:.2f}x of it; "
-                        f"same tokens: {toks == max(local['gguf'], key=lambda x: x['rate'])['ids']}")
-            say("")
+            llama_cpp_section(say, args, full)
         say(f"load average at end {os.getloadavg()[0]:.1f}")
     finally:
         sup.stop_all()

@@ -16,8 +16,9 @@ Two settings are ours, and both are about statuses, never about which checks run
   between a parameter and the content type that OpenAPI cannot state.
 
 Link inference is off (the stateful phase then runs the links a document declares: none yet).
-Each request's timeout is 10 s unless the caller derives a longer one from a baseline it measured (a
-server whose largest legal request takes longer than that on a loaded host is slow, not failing).
+Each request's timeout, and the max_response_time check's limit, is 10 s unless the caller derives a
+longer one from a baseline it measured (a server whose largest legal request takes longer than that on
+a loaded host is slow, not failing).
 """
 
 from __future__ import annotations
@@ -64,7 +65,8 @@ def config(url: str, max_examples: int, seed: int, request_timeout: float = 10.0
     # As `st run` does with its options: an override of every project's (and phase's) settings.
     override = cfg.projects.override
     override.update(base_url=url, request_timeout=request_timeout)
-    override.checks.update(included_check_names=["all"])
+    # max_response_time (one of "all") holds every reply to the same bound as the request timeout
+    override.checks.update(included_check_names=["all"], max_response_time=request_timeout)
     override.generation.update(max_examples=max_examples, database="none", no_shrink=True)
     return cfg
 

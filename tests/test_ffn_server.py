@@ -47,6 +47,19 @@ def test_single_binary_is_exactly_the_local_ffn(shard, reference):
     np.testing.assert_array_equal(out, reference.ffn(1, X))
 
 
+@pytest.mark.parametrize("rows", [1, 5, 17])
+def test_inline_and_compute_thread_routes_are_exact(shard, reference, rows):
+    """Up to INLINE_ROWS rows x layers are computed in the event loop, more in the compute thread:
+    the same bytes either way."""
+    from larql_edge.roles.ffn.routes import INLINE_ROWS
+
+    assert 1 <= INLINE_ROWS < 5
+    x = np.random.default_rng(rows).standard_normal((rows, H)).astype(np.float32)
+    r = post(shard.url, w.encode_request(1, x), BIN)
+    assert r.status_code == 200
+    np.testing.assert_array_equal(w.decode_response(r.content, H)[1], reference.ffn(1, x))
+
+
 def test_batch_binary(shard, reference):
     r = post(shard.url, w.encode_request([1], X), BIN)
     assert r.status_code == 200

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from larql_edge.model import graph as G
+from larql_edge.model import speculative as sp
 from larql_edge.model.backend import get_backend
 from larql_edge.model.forward import KVCache, Transformer
 from larql_edge.model.graph import GraphCache
-from larql_edge.model import speculative as sp
 from larql_edge.tools.slicer.extract import extract
 from tests.tinygguf import hf_to_gguf
 from tests.tinymodel import make_tiny_model
@@ -120,9 +120,39 @@ def test_graph_on_gguf_blocks_is_the_product_by_product_path(quantized):
     g, p = Transformer.local(path), Transformer.local(path, graph=False)
     assert g.engine() is not None and p.engine() is None
     a, b = g.next_logits(IDS), p.next_logits(IDS)
-    assert np.abs(a - b).max() <= (0.02 if fam == "gemma3" else 2e-3) * np.abs(b).max()
+    # not bit for bit: the graph keeps llama.cpp's float16 KV cache and GELU table, and any such
+    # rounding moves some 8-bit activation roundings downstream (as in test_gguf_quant: ~3% of the range)
+    assert np.abs(a - b).max() <= 0.05 * np.abs(b).max()
     cache = g.new_cache()
     g.forward(IDS[:4], cache)
     for t in IDS[4:-1]:
         g.next_logits([t], cache)
-    np.testing.assert_allclose(g.next_logits([IDS[-1]], cache), a, atol=1e-3 * np.abs(a).max(), rtol=0)
+    np.testing.assert_allclose(g.next_logits([IDS[-1]], cache), a, atol=5e-3 * np.abs(a).max(), rtol=0)
+
+
+class _Remote:
+    """An FFN provider that is not `LocalFfn` (as the grid client's is), over local weights."""
+
+    def __init__(self, ffn):
+        self.inner = ffn
+        self.calls = 0
+
+    def ffn(self, layer, x):
+        self.calls += 1
+        return self.inner.ffn(layer, x)
+
+
+@pytest.mark.parametrize("family", ["gemma3", "llama"])
+def test_attention_only_graphs_with_a_remote_ffn(tiny_models, family):
+    """The split grid's client: attention halves as graphs, the FFN a call between them; the same
+    logits as the whole-step graph, step after step (up to GELU: the remote FFN computes the exact
+    tanh form, the whole-step graph ggml's table)."""
+    whole = Transformer.local(tiny_models[family], graph=True)
+    split = Transformer.local(tiny_models[family], graph=True)
+    split.ffn_provider = _Remote(split.ffn_provider)
+    assert split.engine() is not None and not split.engine().has_ffn
+    c1, c2 = whole.new_cache(), split.new_cache()
+    np.testing.assert_allclose(split.next_logits(IDS[:6], c2), whole.next_logits(IDS[:6], c1), atol=TOL[family], rtol=0)
+    for t in IDS[6:]:
+        np.testing.assert_allclose(split.next_logits([t], c2), whole.next_logits([t], c1), atol=TOL[family], rtol=0)
+    assert split.ffn_provider.calls == whole.spec.num_layers * (1 + len(IDS[6:]))

@@ -177,33 +177,34 @@ def test_a_member_joins_every_router_and_rejoins_one_that_restarts(tiny_models):
                 restarted.stop()
 
 
-def test_ready_joined_waits_for_every_router_once(tiny_models):
-    """``/v1/ready?joined=1`` (the Swarm stack's member health check) is 503 until the member has joined
-    every router, then stays 200 while a router restarts (sticky: a healthy task is never killed for a
-    router's restart); the plain ``/v1/ready`` reports the membership as ``grid``."""
-    with inproc.router() as r1, inproc.router() as r2:
-        port = r2.port
-        r2.stop()  # one of the two routers is down: the member joins only r1
-        with inproc.shard(tiny_models["gemma3"], "0-1", join=[r1.url, f"http://127.0.0.1:{port}"]) as s:
-            wait_grid(r1.url, members=1)
-            r = httpx.get(s.url + "/v1/ready", params={"joined": "1"})
-            assert r.status_code == 503 and "joined 1 of 2 router(s)" in r.json()["error"], r.text
-            assert httpx.get(s.url + "/v1/ready").json()["grid"] == {"routers": 2, "joined": 1, "settled": False}
-            assert httpx.get(s.url + "/v1/ready", params={"joined": "maybe"}).status_code == 400
-            from larql_edge.testing.servers import ServerThread
+def test_handover_waits_for_a_successor_before_leaving(tiny_models):
+    """``--handover-seconds``: on SIGTERM a member stays in the routers until a successor serving its
+    layers has joined (a start-first rolling update: the old task must not leave its range a replica
+    short), bounded; without a successor it leaves when the bound is up."""
+    from larql_edge.service.membership import Membership
 
-            again = ServerThread(inproc.router().app, port=port).start()
-            try:
-                wait_grid(again.url, members=1, timeout=10)
-                deadline = time.monotonic() + 10
-                while httpx.get(s.url + "/v1/ready", params={"joined": "1"}).status_code != 200:
-                    assert time.monotonic() < deadline, httpx.get(s.url + "/v1/ready").text
-                    time.sleep(0.05)
-            finally:
-                again.stop()
-            # the router is gone again: joined drops, settled stays, ready stays 200
-            r = httpx.get(s.url + "/v1/ready", params={"joined": "true"})
-            assert r.status_code == 200 and r.json()["grid"]["settled"] is True
+    with inproc.router() as r, inproc.shard(tiny_models["gemma3"], "0-1", join=[r.url]) as old:
+        wait_grid(r.url, members=1)
+        describe = old.app.ctx.shard.describe
+
+        async def scenario():
+            m = Membership(GridSettings((r.url,), GRID_KEY, old.url, handover=20.0), "ffn", describe)
+            m.links = {r.url: None}  # the router it joined (handover reads only the URLs)
+            t0 = time.monotonic()
+            task = asyncio.create_task(m.handover())
+            await asyncio.sleep(1.0)
+            assert not task.done()  # no successor yet: it stays
+            with inproc.shard(tiny_models["gemma3"], "0-1", join=[r.url]):
+                await asyncio.wait_for(task, 15)
+                waited = time.monotonic() - t0
+                assert waited < 15 and len(httpx.get(r.url + "/v1/grid").json()["members"]) == 2
+            m.settings = GridSettings((r.url,), GRID_KEY, old.url, handover=1.0)
+            t0 = time.monotonic()
+            await m.handover()  # the successor is gone again: the bound
+            return waited, time.monotonic() - t0
+
+        waited, bounded = asyncio.run(scenario())
+        assert 1.0 <= waited and 1.0 <= bounded < 5.0, (waited, bounded)
 
 
 def test_leave_on_request_drains_the_member(tiny_models):

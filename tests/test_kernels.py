@@ -211,7 +211,11 @@ def test_f16_from_array_and_f32_reference(rng):
     x = rng.standard_normal((3, 200)).astype(np.float32)
     assert_product(h, x)
     f = CompactMatrix.from_array(w)
-    np.testing.assert_array_equal(f.matmul(x), x @ w.T)
+    np.testing.assert_array_equal(f.matmul(x), np.stack([row @ w.T for row in x]))  # BLAS, one row at a time
+    # a row's floats do not depend on the rows that come with it (speculative decoding's exactness)
+    for i in range(3):
+        np.testing.assert_array_equal(f.matmul(x[i : i + 1])[0], f.matmul(x)[i])
+        np.testing.assert_array_equal(h.matmul(x[i : i + 1])[0], h.matmul(x)[i])
     np.testing.assert_array_equal(f.rows([1, 2]), w[[1, 2]])
 
 
@@ -334,3 +338,53 @@ def test_real_gemma_requantized_as_a_q4k_vindex_stores_it(gemma_gguf, gemma_inpu
         x = gemma_inputs[w.shape]
         assert_product(m, x[-1:])
         assert_product(m, x)
+
+
+def _stored_bytes_route(m: CompactMatrix) -> CompactMatrix:
+    """The same blocks, multiplied from the stored bytes (ggml's vec_dot per row), never repacked."""
+    from larql_edge.model.kernels import _matrix
+
+    twin = CompactMatrix.from_blocks(m.data.view(np.uint8).reshape(-1), m.fmt, *m.shape)
+    saved, _matrix.REPACK = _matrix.REPACK, False
+    try:
+        twin.matmul(np.zeros((1, m.shape[1]), np.float32))  # its graphs are made now, without repacking
+    finally:
+        _matrix.REPACK = saved
+    assert not twin.repacked
+    return twin
+
+
+@pytest.mark.parametrize("rows,cols", [(2048, 640), (96, 1000), (40, 256), (30, 640)])
+def test_repacked_products_equal_the_stored_bytes_route(rng, rows, cols):
+    """Q4_K is repacked for ggml's gemm/gemv kernels where its CPU build has them (x86-64 AVX2,
+    rows a multiple of 8); the result is the stored-bytes route's up to summation order, at 1 and 2
+    threads (the split keeps whole groups of 8 interleaved rows)."""
+    from larql_edge.model.kernels import _ggml, get_threads, set_threads
+
+    m = CompactMatrix.quantize(synthetic(rng, rows, cols), "q4_k")
+    ref = _stored_bytes_route(m)
+    if _ggml.lib().features.get("avx2") and _ggml.lib().repack_buft is not None:
+        assert m.repacked == (rows % 8 == 0)
+    before = get_threads()
+    try:
+        for threads in (1, 2):
+            set_threads(threads)
+            for n in NS:
+                x = rng.standard_normal((n, cols)).astype(np.float32)
+                want = ref.matmul(x)
+                np.testing.assert_allclose(m.matmul(x), want, rtol=0, atol=2e-5 * np.abs(want).max())
+                assert_product(m, x)
+    finally:
+        set_threads(before)
+
+
+def test_repacking_a_mapped_matrix_keeps_its_rows_readable(tmp_path, rng):
+    """A repacked matrix drops its mapped pages (RSS counts the repacked copy only); rows are then
+    read from the file again."""
+    m = CompactMatrix.quantize(synthetic(rng, 64, 512), "q4_k")
+    path = tmp_path / "w.bin"
+    m.data.tofile(path)
+    mapped = CompactMatrix.from_blocks(np.memmap(path, dtype=np.uint8, mode="r"), "q4_k", 64, 512)
+    x = rng.standard_normal((5, 512)).astype(np.float32)
+    np.testing.assert_allclose(mapped.matmul(x), m.matmul(x), rtol=0, atol=1e-6 * np.abs(m.matmul(x)).max())
+    np.testing.assert_array_equal(mapped.rows([0, 7, 63]), m.rows([0, 7, 63]))

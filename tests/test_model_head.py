@@ -42,3 +42,26 @@ def test_every_caller_gives_the_same_top_k():
     rows = LocalTopK(Head()).top_k_rows(np.zeros((2, 4), np.float32), 6)
     assert rows[0][0].tolist() == ids.tolist() and np.allclose(rows[0][1], lps)
     assert rows[1][0].tolist() == top_k_ids(logits[1], 6).tolist()
+
+
+def test_in_place_softcap_and_log_normaliser_equal_the_plain_arithmetic():
+    """LocalHead.logits's softcap (in place, row by row) and log_normaliser (a reused buffer) are bit for
+    bit ops.softcap over the product and the two-temporary formula."""
+    from types import SimpleNamespace
+
+    from larql_edge.model.backend import NumpyBackend
+    from larql_edge.model.head import LocalHead, log_normaliser
+
+    rng = np.random.default_rng(5)
+    head = object.__new__(LocalHead)
+    head.spec = SimpleNamespace(rms_norm_eps=1e-6, family=SimpleNamespace(norm_offset=1.0), final_logit_softcapping=30.0)
+    head.norm = rng.standard_normal(64).astype(np.float32)
+    head.backend = NumpyBackend()
+    head.weight = (rng.standard_normal((70001, 64)) * 3).astype(np.float32)
+    h = rng.standard_normal((3, 64)).astype(np.float32) * 4
+    want = ops.softcap(head.backend.linear(ops.rms_norm(h, head.norm, 1e-6, 1.0), head.weight), 30.0)
+    got = head.logits(h)
+    np.testing.assert_array_equal(got, want)
+    for row in list(got) + [got[0, :5], got[1].astype(np.float64)]:
+        m = float(row.max())
+        assert log_normaliser(row) == m + float(np.log(np.sum(np.exp(row - type(row[0])(m)), dtype=np.float64)))

@@ -319,3 +319,38 @@ def test_a_slow_member_with_a_faster_replica_is_left_for_it_unblamed():
             assert r.status_code == 200 and time.monotonic() - t0 < 10, r.text
         members = httpx.get(router.url + "/v1/grid").json()["members"]
         assert {m["url"]: m["failures"] for m in members} == {slow.url: 0, fast.url: 0}, members
+
+
+def test_heartbeats_keep_their_cadence_when_the_router_answers_slowly():
+    """Heartbeats were sent an interval after the previous one's reply: a router answering each in
+    0.6 s (busy) saw one every 1.6 s against a 1 s interval, so two slow answers and the member was past
+    the 3-interval eviction age. They now go start to start."""
+    import asyncio
+
+    from larql_edge.service.membership import RouterLink
+    from larql_edge.wire.grid import HEARTBEAT, JOIN
+
+    app = Sanic("slow_router")
+    beats: list[float] = []
+
+    @app.post(JOIN)
+    async def join(request):
+        return json({"member_id": "m1", "member_token": "t", "heartbeat_interval_s": 1.0})
+
+    @app.post(HEARTBEAT)
+    async def heartbeat(request):
+        beats.append(time.monotonic())
+        await asyncio.sleep(0.6)
+        return json({"ok": True})
+
+    async def member(url: str) -> None:
+        link = RouterLink(url, "key", "http://127.0.0.1:9", "ffn", lambda: {"model": "m"})
+        task = asyncio.ensure_future(link.run())
+        await asyncio.sleep(6.5)
+        link.stop()
+        await task
+
+    with ServerThread(app) as router:
+        asyncio.run(member(router.url))
+    gaps = [b - a for a, b in zip(beats, beats[1:], strict=False)]
+    assert len(beats) >= 4 and max(gaps) < 1.4, gaps

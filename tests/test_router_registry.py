@@ -228,3 +228,4 @@ def test_layer_helpers():
     assert split_even(18, 2) == [LayerRange(0, 8), LayerRange(9, 17)]
     assert split_even(5, 3) == [LayerRange(0, 1), LayerRange(2, 3), LayerRange(4, 4)]
     assert [str(g) for g in gaps({0, 1, 4}, 7)] == ["2-3", "5-6"]
+

@@ -269,6 +269,10 @@ def test_a_banned_token_is_never_drawn_and_a_bias_decides_greedy():
     hot = Params(max_tokens=1, temperature=2.0, logit_bias={4: -100})
     rng = np.random.default_rng(1)
     assert 4 not in {sample(ids, lps, hot, rng) for _ in range(500)}
+    # the smallest valid repetition_penalty (schemathesis sent 5e-324): a seen token wins, no overflow to NaN
+    for t in (0.0, 1e-3, 2.0):
+        tiny = Params(max_tokens=1, temperature=t, repetition_penalty=5e-324)
+        assert sample(ids, lps, tiny, rng, [9], [], lse=5.0) == 9
 
 
 def test_the_controls_through_the_grid_equal_a_whole_row_reference(tiny_models, grid, monkeypatch):
@@ -312,6 +316,44 @@ def test_the_controls_through_the_grid_equal_a_whole_row_reference(tiny_models, 
             assert got == want, (bias, rep, presence, frequency)
         stats = httpx.get(s.url + "/v1/stats").json()["scheduler"]
         assert stats["full_logit_rows"] > 0  # -30 lowered every candidate: the whole row decided
+
+
+def test_a_sequence_ends_where_its_reply_is_whole(tiny_models):
+    """A sequence's ``ends`` (a tool-call list that repeats a call) stops it, ``stop``, at the token that
+    made its text whole, however many ``max_tokens`` allow."""
+    import asyncio
+
+    from larql_edge.format.vindex import Vindex
+    from larql_edge.model.batch import BatchEngine, LocalTopK
+    from larql_edge.model.forward import Transformer
+    from larql_edge.roles.serve.scheduler import Event, Params, Scheduler, Seq
+
+    m = Transformer.local(tiny_models["gemma3"])
+    engine = BatchEngine(m.spec, m.attn, m.embedder, m.ffn_provider, LocalTopK(m.head), m.backend)
+    seen: list[str] = []
+
+    def three_words(text: str) -> bool:
+        seen.append(text)
+        return len(text.split()) >= 3
+
+    async def run() -> tuple[Seq, list[Event]]:
+        sched = Scheduler(engine, Vindex.open(tiny_models["gemma3"]).load_tokenizer(), context=64, max_active=2,
+                          max_queue=2)
+        s = Seq([2, 5, 9], Params(20, 0.0, logit_bias={t: -100 for t in range(4)}), asyncio.get_running_loop(),
+                ends=three_words)
+        try:
+            sched.admit(s)
+            out = [await s.events.get()]
+            while out[-1].kind == "text":
+                out.append(await s.events.get())
+        finally:
+            sched.stop()
+        return s, out
+
+    s, events = asyncio.run(run())
+    assert events[-1].kind == "done" and events[-1].finish_reason == "stop"
+    assert len(s.generated) == 3 and len(seen) == 3
+    assert len("".join(e.text for e in events).split()) == 3
 
 
 # -- n, batched prompts, echo ----------------------------------------------------------------------------

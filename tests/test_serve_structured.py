@@ -147,7 +147,8 @@ def test_tool_plans_and_their_errors():
     assert p is not None and p.forced and p.schema() == TIME["function"]["parameters"]
     r = tools.plan([WEATHER, TIME], "required")
     assert r is not None and r.schema()["type"] == "array" and len(r.schema()["items"]["anyOf"]) == 2
-    assert "maxItems" not in r.schema() and tools.plan([WEATHER], "required", False).schema()["maxItems"] == 1  # type: ignore[union-attr]
+    assert r.schema()["maxItems"] == tools.MAX_PARALLEL_CALLS  # type: ignore[index]
+    assert tools.plan([WEATHER], "required", False).schema()["maxItems"] == 1  # type: ignore[union-attr]
     with pytest.raises(BadRequest):
         tools.plan([WEATHER], "required", "no")
     cases = [(None, "required", "tool_choice"), ([], None, "tools"), ([{"type": "x"}], None, "tools[0]"),
@@ -184,6 +185,32 @@ def test_forced_schemas_generate_valid_calls(tokenizer, grammars):
             assert call["id"].startswith("call_") and call["type"] == "function"
         done += 1
     assert done >= 1
+
+
+def test_a_required_reply_ends_at_its_first_repeated_call():
+    """Greedy small models list the same calls until max_tokens: the reply is whole when a call repeats
+    an earlier one (same name and arguments), and is the calls before the repeat."""
+    p = tools.plan([WEATHER, TIME], "required")
+    assert p is not None
+    a = '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "c"}}'
+    b = '{"name": "get_time", "parameters": {"zone": "CET"}}'
+    a2 = '{"name": "get_weather", "parameters": {"city": "Rome", "unit": "c"}}'
+    assert not p.repeats(f"[{a}, {b}, {a2}")  # the same function with other arguments: a call of its own
+    assert not p.repeats(f"[{a}, {b}, {a[:30]}")  # not whole yet
+    assert p.repeats(f"[{a}, {b}, {a}")
+    assert p.repeats(f"[{a}, {b}, {a}, {{")  # the token that closed the repeat began the next call
+    longer = tools.forced_calls(p, f"[{a}, {b}, {a}, {{")
+    assert longer is not None and [c["function"]["name"] for c in longer] == ["get_weather", "get_time"]
+    assert p.repeats(f'[{a}, {a.replace(", ", ",")}')  # equal as JSON, whatever the spacing
+    calls = tools.forced_calls(p, f"[{a}, {b}, {a}")
+    assert calls is not None
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("get_weather", {"city": "Paris", "unit": "c"}), ("get_time", {"zone": "CET"})]
+    assert tools.forced_calls(p, f"[{a}, {b}, {a2[:40]}") is None  # cut by max_tokens: no calls
+    msg, finish = tools.ToolReply(p, None).message(f"[{a}, {b}, {a}", "stop")
+    assert finish == "tool_calls" and len(msg["tool_calls"]) == 2
+    named = tools.plan([WEATHER], {"type": "function", "function": {"name": "get_weather"}})
+    assert named is not None and not named.repeats(f"[{a}, {a}")  # only `required` lists calls
 
 
 def test_auto_parsers_per_family():

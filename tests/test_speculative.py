@@ -4,6 +4,7 @@ distribution, by a chi-square test against the plain model's probabilities compu
 
 from __future__ import annotations
 
+import json
 import math
 from statistics import NormalDist
 
@@ -300,7 +301,8 @@ def test_serve_speculation_gives_the_tokens_without_it_for_8_concurrent_streams(
     assert [g[:2] for g in got] == [w[:2] for w in want]
     for g_, w in zip(got, want, strict=True):
         np.testing.assert_allclose(g_[2], w[2], atol=1e-4)
-    assert stats["speculation"] == {"enabled": True, "drafter": "ngram", "max_k": 4, "ngram": [2, 4], "adaptive": True}
+    assert stats["speculation"] == {"enabled": True, "drafter": "ngram", "draft": None, "max_k": 4, "ngram": [2, 4],
+                                    "adaptive": True}
     spec = stats["scheduler"]["speculation"]
     assert spec["drafted_tokens"] > 0 and 0 < spec["accepted_tokens"] <= spec["drafted_tokens"]
     # accepted drafts are tokens without a step of their own
@@ -312,6 +314,85 @@ def test_serve_speculation_gives_the_tokens_without_it_for_8_concurrent_streams(
         assert name in metrics, name
     drafted = [line for line in metrics.splitlines() if line.startswith("larql_serve_speculative_drafted_tokens_total")]
     assert float(drafted[0].split()[-1]) == spec["drafted_tokens"]
+
+
+def test_serve_with_a_draft_model_gives_the_tokens_without_speculation(tiny_models):
+    """``larql-serve --draft VINDEX``: each sequence drafts from the small model (here the same one, a
+    perfect drafter) with a KV cache of its own; 8 concurrent streams give the tokens of plain decoding,
+    drafts are mostly kept, and the draft model's time is exported."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    from tests import _inproc
+
+    def run(url, prompt):
+        r = httpx.post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": 16, "temperature": 0}, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"]
+
+    v = tiny_models["gemma3"]
+    with _inproc.grid(v, ["0-0", "1-1"]) as g:
+        with _serve_app(v, g["router"].url, sp.Settings(enabled=False)) as off:
+            want = [run(off.url, p) for p in SERVE_PROMPTS]
+        settings = sp.Settings(max_k=4, draft=Transformer.local(v), draft_name=str(v))
+        with _serve_app(v, g["router"].url, settings) as on:
+            with ThreadPoolExecutor(8) as pool:
+                got = list(pool.map(lambda p: run(on.url, p), SERVE_PROMPTS))
+            stats = httpx.get(on.url + "/v1/stats").json()
+            time.sleep(1.2)  # the metrics flusher
+            metrics = httpx.get(on.url + "/metrics").text
+    assert got == want
+    assert stats["speculation"]["drafter"] == "model" and stats["speculation"]["draft"] == str(v)
+    spec = stats["scheduler"]["speculation"]
+    assert spec["drafted_tokens"] > 0 and spec["accepted_tokens"] >= 0.9 * spec["drafted_tokens"], spec
+    count = [line for line in metrics.splitlines() if line.startswith("larql_serve_draft_seconds_count")]
+    assert count and float(count[0].split()[-1]) > 0, count
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--draft", "VX", "--no-speculate"], "cannot go with --no-speculate"),
+    (["--draft", "/nonexistent/draft.vindex"], "--draft: /nonexistent/draft.vindex"),
+    (["--draft", "OTHER"], "a draft model must use the same tokenizer"),
+])
+def test_larql_serve_refuses_a_bad_draft_in_one_line(tiny_models, tmp_path, args, message):
+    """larql-serve checks ``--draft`` at start-up (the tokenizer above all), before it listens."""
+    from larql_edge.roles.serve.cli import main
+    from tests import _inproc
+    from tests._cli import run_cli
+
+    other = tmp_path / "other"
+    if "OTHER" in args:  # the tiny llama with a vocabulary of its own
+        import shutil
+
+        shutil.copytree(tiny_models["llama"], other)
+        tok = json.loads((other / "tokenizer.json").read_text())
+        tok["model"]["vocab"] = {f"w{k}": i for k, i in tok["model"]["vocab"].items()}
+        (other / "tokenizer.json").write_text(json.dumps(tok))
+    args = [str(tiny_models["llama"]) if a == "VX" else str(other) if a == "OTHER" else a for a in args]
+    with _inproc.grid(tiny_models["gemma3"], ["0-1"]) as g:
+        r = run_cli(main, str(tiny_models["gemma3"]), "--ffn", g["router"].url, "--port", "0", *args)
+    assert r.returncode != 0
+    assert message in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_larql_generate_timings_show_the_draft_models_time(tiny_models, tmp_path):
+    from tests._cli import larql
+
+    v = str(tiny_models["gemma3"])
+    prompt = "the capital of france is the capital of france is the"
+    metrics = tmp_path / "client.prom"
+    r = larql("generate", "--vindex", v, "--prompt", prompt, "--max-tokens", "12", "--timings", "--draft", v,
+              "--metrics-file", str(metrics))
+    assert r.returncode == 0, r.stderr
+    assert "+ draft model " in r.stderr, r.stderr
+    count = [x for x in metrics.read_text().splitlines() if x.startswith("larql_client_draft_seconds_count")]
+    assert count and float(count[0].split()[-1]) > 0, count
+    j = larql("generate", "--vindex", v, "--prompt", prompt, "--max-tokens", "12", "--timings", "--json", "--draft", v)
+    body = json.loads(j.stdout)
+    assert body["speculation"]["draft_seconds"] > 0
+    assert sum(t["draft_ms"] for t in body["timings"]["tokens"]) > 0
 
 
 # -- larql generate's flags (in process, tiny models) --------------------------------------------

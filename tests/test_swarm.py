@@ -573,12 +573,10 @@ class Streams:
 def test_rolling_update_of_every_ffn_service_under_load_keeps_every_range_and_generation(full_grid, golden):
     """Issue 19's rolling update: `docker service update --force` of every FFN service, one after the
     other, with two CPU hogs running and four streams generating: no failed generation, and no layer
-    range uncovered in any sample of either router. What keeps a range covered: start-first updates
-    whose new task is healthy only once it has joined every router (its health check is
-    /v1/ready?joined=1), so the old one stops only when the range already has its replicas again; the
-    old task drains on SIGTERM (leaves the routers at once, finishes what it computes) within
-    stop_grace_period; and the router does not count its own stalls on a starved host as members'
-    silence."""
+    range uncovered in any sample of either router. What keeps a range covered: start-first updates;
+    the old task, on SIGTERM, stays in the routers until its successor has joined them
+    (LARQL_HANDOVER_SECONDS), then leaves and drains within stop_grace_period; and the router does
+    not count its own stalls on a starved host as members' silence."""
     g, s = full_grid, full_grid.swarm
     case = golden("gemma3-270m")["prompts"][0]
     if g.features["serve"]:

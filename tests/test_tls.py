@@ -179,6 +179,34 @@ def test_both_clients_verify_against_the_grid_ca(pki, tmp_path):
         assert _async_get(srv.url + "/x").json() == {"ok": True}
 
 
+def test_a_waiter_watches_a_reply_over_tls_too(pki):
+    """The hedged hops' `Waiter` (`HttpClient.request(waiter=)`) sees a TLS socket before its receives,
+    as a plain one: a hop over TLS is hedged and stall-bounded the same way."""
+    from larql_edge.errors import Stalled
+    from larql_edge.net.hops import StallWaiter
+
+    server = pki.issue("server")
+    with _TlsServer(tls.server_context(tls.TlsSettings(str(server.cert), str(server.key)))) as srv:
+        tls.configure_client(tls.TlsSettings(ca=str(pki.ca)))
+        seen = []
+
+        class Watch:
+            def wait(self, sock, deadline):
+                seen.append(type(sock).__name__)
+                StallWaiter(5.0).wait(sock, deadline)
+
+        class GiveUp:
+            def wait(self, sock, deadline):
+                raise Stalled("given up")
+
+        c = HttpClient(timeout=5)
+        assert c.request("GET", srv.url + "/x", waiter=Watch()).json() == {"ok": True}
+        assert seen and all("Ssl" in n for n in seen), seen
+        with pytest.raises(Stalled, match="given up"):
+            c.request("GET", srv.url + "/x", waiter=GiveUp())
+        assert c.request("GET", srv.url + "/x").json() == {"ok": True}  # a new connection after the one given up
+
+
 def test_mutual_tls_refuses_a_client_without_a_certificate_or_with_another_cas(pki, tmp_path):
     server, member = pki.issue("server"), pki.issue("member")
     other_ca = Pki(tmp_path / "other", name="other-ca")

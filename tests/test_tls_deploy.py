@@ -26,6 +26,7 @@ import pytest
 import yaml
 
 from larql_edge.tools.grid.cli import main as grid_main
+from tests import _docker as dk  # at import: its TAG comes from LARQL_IMAGE_TAG, which the tests' isolation hides later
 from tests.test_tls import _TlsServer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -281,6 +282,29 @@ def _greedy(vindex, prompt: str, n: int) -> list[int]:
     return list(Transformer.local(vx).generate(vx.load_tokenizer().encode(prompt).ids, n, stop_ids=[]))
 
 
+def _diagnose(project: str) -> str:
+    """Each container's state, last health check outputs and log tail: what a failed `up` needs."""
+    out = []
+    for c in dk.client().containers.list(all=True, filters={"label": f"com.docker.compose.project={project}"}):
+        c.reload()
+        h = c.attrs["State"].get("Health") or {}
+        checks = [(x.get("ExitCode"), x.get("Output", "")[-200:]) for x in h.get("Log", [])]
+        out.append(f"--- {c.name} ({c.short_id}): {c.attrs['State']['Status']}, health {h.get('Status')} "
+                   f"(failing streak {h.get('FailingStreak')}) checks {checks}\n" + c.logs(tail=8).decode(errors="replace"))
+    return "\n".join(out)[-8000:]
+
+
+def _container(project: str, service: str):
+    """dk.compose_container, None while Compose is still replacing it (the SDK lists, then inspects:
+    a container removed in between is a NotFound, seen here once during `up`)."""
+    import docker.errors
+
+    try:
+        return dk.compose_container(project, service)
+    except docker.errors.NotFound:
+        return None
+
+
 def _plain_http_refused(port: int) -> bool:
     """True when a plain-HTTP request to the port gets no HTTP reply (the TLS server drops it)."""
     with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
@@ -301,8 +325,6 @@ def test_docker_compose_tls_grid_generates_and_refuses_plain_http(tmp_path, gemm
     generation through the client container, the published router/embed/serve/edge ports speaking TLS
     only (plain HTTP gets no HTTP reply), a client without a certificate or with another CA's refused
     by the router, Prometheus scraping every role over https."""
-    from tests import _docker as dk
-
     dk.require_engine()
     tls_dir = tmp_path / "tls"
     assert grid_main(["certs", str(tls_dir), "--readable-keys"]) == 0
@@ -326,11 +348,11 @@ def test_docker_compose_tls_grid_generates_and_refuses_plain_http(tmp_path, gemm
         deadline = t0 + 900
         grid_c = None
         while grid_c is None or dk.health(grid_c) != "healthy":
-            assert up.poll() is None, f"compose up exited ({up.returncode}):\n{log_path.read_text()[-6000:]}"
-            assert time.monotonic() < deadline, f"grid not healthy in 900s:\n{log_path.read_text()[-6000:]}"
-            grid_c = grid_c or dk.compose_container(project, "grid")
+            assert up.poll() is None, f"compose up exited ({up.returncode}):\n{log_path.read_text()[-3000:]}\n{_diagnose(project)}"
+            assert time.monotonic() < deadline, f"grid not healthy in 900s:\n{log_path.read_text()[-3000:]}\n{_diagnose(project)}"
+            grid_c = grid_c or _container(project, "grid")
             if grid_c is not None:
-                assert dk.health(grid_c) not in ("exited", "dead", "unhealthy"), log_path.read_text()[-6000:]
+                assert dk.health(grid_c) not in ("exited", "dead", "unhealthy"), _diagnose(project)
             time.sleep(2)
         up_s = time.monotonic() - t0
         for svc in ("router", "embed", "ffn-a", "ffn-b", "edge", "prometheus"):
@@ -345,26 +367,34 @@ def test_docker_compose_tls_grid_generates_and_refuses_plain_http(tmp_path, gemm
         assert res["generated_ids"] == _greedy(gemma_f16, "The capital of France is", 6), res
 
         # the published ports: TLS only, verified under localhost with the grid's CA
-        ca, client = str(tls_dir / "ca.crt"), (str(tls_dir / "client/tls.crt"), str(tls_dir / "client/tls.key"))
+        ca = str(tls_dir / "ca.crt")
+
+        def ctx(cert: tuple[str, str] | None) -> ssl.SSLContext:
+            out = ssl.create_default_context(cafile=ca)
+            if cert:
+                out.load_cert_chain(*cert)
+            return out
+
+        client = (str(tls_dir / "client/tls.crt"), str(tls_dir / "client/tls.key"))
         router = f"https://localhost:{ports['LARQL_ROUTER_PUBLISH']}"
-        with httpx.Client(verify=ssl.create_default_context(cafile=ca), cert=client, timeout=10) as c:
+        with httpx.Client(verify=ctx(client), timeout=10) as c:
             assert c.get(router + "/v1/ready").json()["complete"]
             embed_row = c.get(f"https://localhost:{ports['LARQL_EDGE_PUBLISH']}/v1/embed/100")
             assert embed_row.status_code == 200 and len(embed_row.content) == 640 * 4
-        serve_c = dk.compose_container(project, "serve")
+        serve_c = _container(project, "serve")
         deadline = time.monotonic() + 300
         while dk.health(serve_c) != "healthy":
             assert time.monotonic() < deadline, serve_c.logs().decode()[-3000:]
             time.sleep(2)
         models = httpx.get(f"https://localhost:{ports['LARQL_SERVE_PUBLISH']}/v1/models",
-                           verify=ssl.create_default_context(cafile=ca), timeout=10)
+                           verify=ctx(None), timeout=10)
         assert models.status_code == 200
         for name in ("LARQL_ROUTER_PUBLISH", "LARQL_EMBED_PUBLISH", "LARQL_EDGE_PUBLISH", "LARQL_SERVE_PUBLISH"):
             assert _plain_http_refused(ports[name]), name
         # mutual TLS at the router: no client certificate, or one of another CA: refused in the handshake
         for cert in (None, (str(tmp_path / "other/stranger/tls.crt"), str(tmp_path / "other/stranger/tls.key"))):
             with pytest.raises((httpx.ConnectError, httpx.ReadError, httpx.RemoteProtocolError)):
-                httpx.get(router + "/v1/ready", verify=ssl.create_default_context(cafile=ca), cert=cert, timeout=10)
+                httpx.get(router + "/v1/ready", verify=ctx(cert), timeout=10)
 
         # Prometheus scrapes every role over https with its client certificate
         deadline = time.monotonic() + 90

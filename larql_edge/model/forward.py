@@ -59,6 +59,18 @@ class LocalEmbed:
         return self.table[idx].astype(np.float32) * self.scale
 
 
+def activation(spec: ModelSpec, backend: Backend, weights: Sequence = ()):
+    """The FFN's activation: the exact float32 form on the reference backends and on float32 weights;
+    on compact (quantized, f16) weights Gemma's GELU is ggml's (llama.cpp's), so that an FFN shard,
+    the local product-by-product path and the one-graph step compute the same thing."""
+    compact = getattr(backend, "name", None) == "compact" and any(getattr(w, "fmt", "f32") != "f32" for w in weights)
+    if spec.family.activation == "gelu_tanh" and compact:
+        from larql_edge.model.kernels._ggml import gelu
+
+        return gelu
+    return ops.ACTIVATIONS[spec.family.activation]
+
+
 def ffn_compute(w: FfnLayer, x: np.ndarray, act, backend: Backend) -> np.ndarray:
     """``down(act(gate x) * up x)``: the whole of what an FFN shard computes for one layer."""
     return backend.linear(act(backend.linear(x, w.gate)) * backend.linear(x, w.up), w.down)
@@ -67,9 +79,9 @@ def ffn_compute(w: FfnLayer, x: np.ndarray, act, backend: Backend) -> np.ndarray
 class LocalFfn:
     def __init__(self, vx: Vindex, spec: ModelSpec, layers: Sequence[int] | None = None, backend: Backend | None = None):
         self.backend = backend or get_backend()
-        self.act = ops.ACTIVATIONS[spec.family.activation]
         wanted = range(spec.num_layers) if layers is None else layers
         self.layers = {i: load_ffn_layer(vx, i, self.backend) for i in wanted}
+        self.act = activation(spec, self.backend, [m for w in self.layers.values() for m in (w.gate, w.up, w.down)])
 
     def ffn(self, layer: int, x: np.ndarray) -> np.ndarray:
         w = self.layers.get(layer)
@@ -211,16 +223,35 @@ class Transformer:
         return h
 
     def _graph_step(self, ids: Sequence[int], cache: GraphCache, head: bool) -> np.ndarray:
-        t = time.perf_counter()
-        rows = np.asarray(self.embedder.embed(ids), dtype=np.float32)
-        out = self.engine().step(rows, cache, head)
-        self.local_s += time.perf_counter() - t  # the whole step ran here
-        return out
+        eng = self.engine()
+        h = eng.embed(ids)
+        if h is None:
+            h = np.asarray(self.embedder.embed(ids), dtype=np.float32)
+        if eng.has_ffn:
+            t = time.perf_counter()
+            out = eng.step(h, cache, head)
+            self.local_s += time.perf_counter() - t  # the whole step ran here
+            return out
+        # the FFN is remote: each layer's attention half is a graph, the FFN a call between them
+        s = self.spec
+        eps, off = s.rms_norm_eps, s.family.norm_offset
+        st = eng.begin(len(ids), cache)
+        for layer in range(s.num_layers):
+            t = time.perf_counter()
+            h, x = eng.attention(layer, h, cache, st)
+            self.local_s += time.perf_counter() - t
+            f = self.ffn_provider.ffn(layer, x)
+            w = self.attn[layer]
+            if w.post_ffn_norm is not None:
+                f = ops.rms_norm(f, w.post_ffn_norm, eps, off)
+            h = h + f
+        cache.length = st.end
+        return h
 
     def next_logits(self, ids: Sequence[int], cache: KVCache | None = None) -> np.ndarray:
         """Logits ``[vocab]`` for the token after ``ids`` (appended to ``cache`` when given)."""
         eng = self.engine()
-        if eng is not None and eng.lm_head is not None:
+        if eng is not None and eng.lm_head is not None and eng.has_ffn:
             cache = cache if cache is not None else self.new_cache()
             if isinstance(cache, GraphCache):
                 return self._graph_step(ids, cache, head=True)
@@ -250,25 +281,43 @@ class Transformer:
             logits = self.next_logits([tok], cache)
 
 
+# The one-graph step decodes token rows from the tied quantized table when the stored f16 embeddings
+# are exactly its image (llama.cpp's values; an embed server serves the f16 image).
+EXACT_TOKEN_ROWS = False
+
+
 def _build_engine(m: Transformer):
-    """A `GraphEngine` over the model's own weights when every product can run in the graph: compact
-    backend, local FFN weights in ggml's types; the head joins the graph when it is local too."""
+    """A `GraphEngine` over the model's own weights when every product can run in a graph (compact
+    backend, weights in ggml's types): the whole step when the FFN is local (the head joins when it is
+    local too), else each layer's attention half."""
     mode = {True: "on", False: "off"}.get(m.graph) if m.graph is not None else graph_mode()
-    if mode == "off" or getattr(m.backend, "name", None) != "compact" or not isinstance(m.ffn_provider, LocalFfn):
+    if mode == "off" or getattr(m.backend, "name", None) != "compact":
         return None
     from larql_edge.model.graph import GraphEngine, graphable
 
     s = m.spec
-    ffn = [m.ffn_provider.layers.get(i) for i in range(s.num_layers)]
-    if any(f is None for f in ffn):
-        return None
-    mats = [x for a, f in zip(m.attn, ffn, strict=True) for x in (a.q, a.k, a.v, a.o, f.gate, f.up, f.down)]
+    ffn = None  # a remote FFN (the grid's client): one attention-only graph per layer
+    if isinstance(m.ffn_provider, LocalFfn):
+        ffn = [m.ffn_provider.layers.get(i) for i in range(s.num_layers)]
+        if any(f is None for f in ffn):
+            ffn = None
+    mats = [x for a in m.attn for x in (a.q, a.k, a.v, a.o)]
+    mats += [x for f in ffn or [] for x in (f.gate, f.up, f.down)]
     if not all(graphable(x) for x in mats):
         return None
     if mode == "auto" and all(x.fmt == "f32" for x in mats):
         return None  # float32 weights: the exact BLAS path is the reference and no slower here
     head = m.head if isinstance(m.head, LocalHead) and graphable(m.head.weight) else None
-    return GraphEngine(s, m.attn, ffn, head.weight if head else None, head.norm if head else None)
+    embed = None
+    if EXACT_TOKEN_ROWS and head is not None and head.tied and head.weight.fmt not in ("f16", "f32") and isinstance(m.embedder, LocalEmbed):
+        # The GGUF's own token table (e.g. Q8_0) when the stored f16 embeddings are exactly its image:
+        # llama.cpp decodes token rows from it in float32, which f16 would round.
+        probe = np.linspace(0, head.vocab - 1, 64).astype(np.int64)
+        if np.array_equal(head.weight.rows(probe).astype(np.float16), np.asarray(m.embedder.table[probe], np.float16)):
+            embed = head.weight
+    return GraphEngine(s, m.attn, ffn, head.weight if head else None, head.norm if head else None,
+                       kv_dtype=np.float32 if mode == "on" and all(x.fmt == "f32" for x in mats) else np.float16,
+                       embed_matrix=embed)
 
 
 def project_qkv(s: ModelSpec, w: AttentionLayer, be: Backend, x: np.ndarray,

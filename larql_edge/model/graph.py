@@ -52,6 +52,7 @@ class GraphCache:
     num_layers: int
     kv_heads: int
     head_dim: int
+    dtype: type = np.float16  # llama.cpp's default KV type (its rounding is part of the arithmetic)
     capacity: int = 0
     length: int = 0
     slack: int = 0  # accepted for KVCache's interface; nothing is trimmed here
@@ -66,8 +67,8 @@ class GraphCache:
         cap = max(_FIRST_CAPACITY, self.capacity)
         while cap < n:
             cap *= 2
-        k = [np.zeros((self.kv_heads, cap, self.head_dim), np.float32) for _ in range(self.num_layers)]
-        v = [np.zeros((self.kv_heads * self.head_dim, cap), np.float32) for _ in range(self.num_layers)]
+        k = [np.zeros((self.kv_heads, cap, self.head_dim), self.dtype) for _ in range(self.num_layers)]
+        v = [np.zeros((self.kv_heads * self.head_dim, cap), self.dtype) for _ in range(self.num_layers)]
         for i in range(len(self.k)):
             k[i][:, : self.length] = self.k[i][:, : self.length]
             v[i][:, : self.length] = self.v[i][:, : self.length]
@@ -113,15 +114,19 @@ def _rounded(n: int, cap: int) -> int:
 
 
 class _Step:
-    """One built graph: ``seq`` rows through every layer (and the head when ``head``)."""
+    """One built graph: ``seq`` rows through every layer (and the head when ``head``); or, with
+    ``layer`` set, that one layer's attention half only (the split grid's client: the FFN is remote),
+    whose outputs are the residual after attention (``out``) and the FFN's normed input (``out_x``)."""
 
-    def __init__(self, eng: "GraphEngine", seq: int, cap: int, lens: dict[int | None, int], head: bool):
+    def __init__(self, eng: "GraphEngine", seq: int, cap: int, lens: dict[int | None, int], head: bool,
+                 layer: int | None = None):
         L = _ggml.lib()
         b = L.base
         s = eng.spec
         self.seq, self.cap, self.lens, self.head = seq, cap, lens, head
         hd, nq, nkv, hid = s.head_dim, s.num_q_heads, s.num_kv_heads, s.hidden_size
-        n_nodes = 64 * s.num_layers + 64
+        self.layer_ids = list(range(s.num_layers)) if layer is None else [layer]
+        n_nodes = 64 * len(self.layer_ids) + 64
         mem = n_nodes * 3 * int(b.ggml_tensor_overhead()) + int(b.ggml_graph_overhead_custom(n_nodes * 2, False)) + 4096
         self._mem = np.empty(mem, np.uint8)
         ctx = self._ctx = b.ggml_init(_ggml._InitParams(mem, self._mem.ctypes.data, True))
@@ -142,16 +147,17 @@ class _Step:
         pos = leaf(self.pos, b.ggml_new_tensor_1d(ctx, _I32, seq))
         masks = {w: leaf(m, b.ggml_new_tensor_2d(ctx, _F32, m.shape[1], seq)) for w, m in self.masks.items()}
         # the caches: one base tensor per layer (data set per step through the views below)
-        f4 = 4
+        f4 = np.dtype(eng.kv_dtype).itemsize  # bytes per cached value
+        kv_type = _ggml.TYPE["f16" if f4 == 2 else "f32"]
         self.k_write, self.v_write, self.k_read, self.v_read = [], [], [], []
         gf = self._graph = b.ggml_new_graph_custom(ctx, n_nodes * 2, False)
         cur = inp
-        for li in range(s.num_layers):
+        for li in self.layer_ids:
             lw = eng.layers[li]
             window = s.sliding_window if s.is_sliding(li) else None
             n_att = lens[window]
-            kc = b.ggml_new_tensor_3d(ctx, _F32, hd, cap, nkv)
-            vc = b.ggml_new_tensor_2d(ctx, _F32, cap, nkv * hd)
+            kc = b.ggml_new_tensor_3d(ctx, kv_type, hd, cap, nkv)
+            vc = b.ggml_new_tensor_2d(ctx, kv_type, cap, nkv * hd)
             kc.contents.data = vc.contents.data = 1  # placeholder (never read): views need a non-null base
             x = eng.norm(ctx, cur, lw.pre_attn)
             q = b.ggml_reshape_3d(ctx, eng.mm(ctx, lw.q, x), hd, nq, seq)
@@ -178,13 +184,15 @@ class _Step:
             self.v_write.append(vw.contents)
             self.k_read.append(kr.contents)
             self.v_read.append(vr.contents)
+            kq_scale = float(s.attn_scale)
+            if eng.scale_q:  # Gemma in llama.cpp: q scaled before QK, softmax unscaled (same math, its rounding)
+                q, kq_scale = b.ggml_scale(ctx, q, kq_scale), 1.0
             kq = b.ggml_mul_mat(ctx, kr, b.ggml_permute(ctx, q, 0, 2, 1, 3))  # [n_att, seq, nq]
             if s.attn_logit_softcapping:
                 cap_ = float(s.attn_logit_softcapping)
-                kq = b.ggml_scale(ctx, b.ggml_tanh(ctx, b.ggml_scale(ctx, kq, float(s.attn_scale) / cap_)), cap_)
-                kq = b.ggml_soft_max_ext(ctx, kq, masks[window], 1.0, 0.0)
-            else:
-                kq = b.ggml_soft_max_ext(ctx, kq, masks[window], float(s.attn_scale), 0.0)
+                kq = b.ggml_scale(ctx, b.ggml_tanh(ctx, b.ggml_scale(ctx, kq, kq_scale / cap_)), cap_)
+                kq_scale = 1.0
+            kq = b.ggml_soft_max_ext(ctx, kq, masks[window], kq_scale, 0.0)
             o = b.ggml_mul_mat(ctx, vr, kq)  # [hd, seq, nq]
             o = b.ggml_cont_2d(ctx, b.ggml_permute(ctx, o, 0, 2, 1, 3), hd * nq, seq)
             a = eng.mm(ctx, lw.o, o)
@@ -192,6 +200,10 @@ class _Step:
                 a = eng.norm(ctx, a, lw.post_attn)
             cur = b.ggml_add(ctx, cur, a)
             x = eng.norm(ctx, cur, lw.pre_ffn)
+            if layer is not None:  # attention only: the FFN input leaves the graph too
+                self.out_x = np.zeros((seq, hid), np.float32)
+                b.ggml_build_forward_expand(gf, b.ggml_cpy(ctx, x, leaf(self.out_x, b.ggml_new_tensor_2d(ctx, _F32, hid, seq))))
+                break
             g, u = eng.mm(ctx, lw.gate, x), eng.mm(ctx, lw.up, x)
             f = eng.mm(ctx, lw.down, eng.glu(ctx, g, u))
             if lw.post_ffn is not None:
@@ -246,9 +258,9 @@ class _Layer:
     k: CompactMatrix
     v: CompactMatrix
     o: CompactMatrix
-    gate: CompactMatrix
-    up: CompactMatrix
-    down: CompactMatrix
+    gate: CompactMatrix | None  # None: the FFN is remote (attention-only graphs)
+    up: CompactMatrix | None
+    down: CompactMatrix | None
     q_norm: np.ndarray | None
     k_norm: np.ndarray | None
     pre_attn: np.ndarray
@@ -265,24 +277,29 @@ class GraphEngine:
     """Runs a local model's steps as ggml graphs. Built from the Transformer's own weights (no copy:
     the weight tensors point at the CompactMatrix bytes, the vindex's memory map)."""
 
-    def __init__(self, spec: ModelSpec, attn: list, ffn: list, head_matrix: CompactMatrix | None,
-                 final_norm: np.ndarray | None):
+    def __init__(self, spec: ModelSpec, attn: list, ffn: list | None, head_matrix: CompactMatrix | None,
+                 final_norm: np.ndarray | None, kv_dtype: type = np.float16, embed_matrix: CompactMatrix | None = None):
         self.spec = spec
+        self.kv_dtype = kv_dtype
+        self.scale_q = spec.family.name.startswith("gemma")
+        # token rows from the tied Q8_0 head when it holds the source's own values (`embed`)
+        self.embed_matrix = embed_matrix
         off = np.float32(spec.family.norm_offset)
 
         def nw(w):  # Gemma multiplies by (1 + w): folded once here, as llama.cpp's GGUF does
             return None if w is None else np.ascontiguousarray((w + off) if off else w, dtype=np.float32)
 
         self.layers = [
-            _Layer(a.q, a.k, a.v, a.o, f.gate, f.up, f.down, nw(a.q_norm), nw(a.k_norm), nw(a.pre_attn_norm),
-                   nw(a.post_attn_norm), nw(a.pre_ffn_norm), nw(a.post_ffn_norm))
-            for a, f in zip(attn, ffn, strict=True)
+            _Layer(a.q, a.k, a.v, a.o, f and f.gate, f and f.up, f and f.down, nw(a.q_norm), nw(a.k_norm),
+                   nw(a.pre_attn_norm), nw(a.post_attn_norm), nw(a.pre_ffn_norm), nw(a.post_ffn_norm))
+            for a, f in zip(attn, ffn or [None] * len(attn), strict=True)
         ]
+        self.has_ffn = ffn is not None
         self.lm_head = head_matrix
         self.final_norm = nw(final_norm)
         self.glu_name = {"gelu_tanh": "ggml_geglu_split", "silu": "ggml_swiglu_split"}[spec.family.activation]
         self._weights: dict[int, tuple] = {}  # id(matrix) -> (tensor, ctx memory) in a weights context
-        self._graphs: OrderedDict[tuple, _Step] = OrderedDict()
+        self._graphs: OrderedDict[tuple, _Step] = OrderedDict()  # LRU
         self._layer_kind = [spec.sliding_window if spec.is_sliding(i) else None for i in range(spec.num_layers)]
         self._kinds = sorted(set(self._layer_kind), key=lambda w: w or 0)
         self._lock = threading.Lock()
@@ -338,71 +355,119 @@ class GraphEngine:
             t = self._weights[id(w)] = (v, w, None)
         return t[0]
 
+    def __del__(self) -> None:
+        self._graphs.clear()  # the graphs point at the weight tensors: they go first
+        if self._wctx is not None and _ggml._lib is not None:
+            _ggml._lib.base.ggml_free(self._wctx)
+            self._wctx = None
+
     def glu(self, ctx, g, u):
         return getattr(_ggml.lib().base, self.glu_name)(ctx, g, u)
 
     # -- running -----------------------------------------------------------------------------------
 
+    def embed(self, ids) -> np.ndarray | None:
+        """Scaled input rows decoded by ggml from the tied quantized table (llama.cpp's ``get_rows``),
+        or None: the embedder's rows are the same values."""
+        if self.embed_matrix is None:
+            return None
+        idx = np.asarray(ids, dtype=np.int64)
+        if idx.size and (idx.min() < 0 or idx.max() >= self.embed_matrix.shape[0]):
+            raise ValueError(f"token id out of range [0, {self.embed_matrix.shape[0]})")
+        rows = self.embed_matrix.rows(idx)
+        if self.spec.embed_scale != 1.0:
+            rows *= np.float32(self.spec.embed_scale)
+        return rows
+
     def new_cache(self, slack: int = 0) -> GraphCache:
         s = self.spec
-        return GraphCache(s.num_layers, s.num_kv_heads, s.head_dim, slack=slack)
+        return GraphCache(s.num_layers, s.num_kv_heads, s.head_dim, self.kv_dtype, slack=slack)
 
-    def _graph(self, seq: int, cap: int, lens: tuple, head: bool) -> _Step:
-        key = (seq, cap, lens, head)
-        g = self._graphs.get(key)
+    def _graph(self, seq: int, cap: int, lens: tuple, head: bool, layer: int | None = None) -> _Step:
+        key = (seq, cap, lens, head, layer)
+        graphs = self._graphs
+        g = graphs.get(key)
         if g is None:
-            g = _Step(self, seq, cap, dict(lens), head)
-            self._graphs[key] = g
-            while len(self._graphs) > _MAX_GRAPHS:
-                self._graphs.popitem(last=False)
+            g = graphs[key] = _Step(self, seq, cap, dict(lens), head, layer)
+            while len(graphs) > _MAX_GRAPHS * (1 if layer is None else len(self.layers)):
+                graphs.popitem(last=False)
         else:
-            self._graphs.move_to_end(key)
+            graphs.move_to_end(key)
         return g
 
     def step(self, rows: np.ndarray, cache: GraphCache, head: bool) -> np.ndarray:
         """``rows`` (embedded, ``[seq, hidden]``) through every layer, appended to ``cache``; returns
         the logits of the last row ``[vocab]`` (``head``) or the residual ``[seq, hidden]``."""
         seq = rows.shape[0]
+        if seq == 0:
+            raise ValueError("no ids to run: a step needs at least one row")
         if head and seq > _CHUNK:
             self.step(rows[:-_CHUNK], cache, False)
             return self.step(rows[-_CHUNK:], cache, True)
         if seq > _CHUNK:
             return np.concatenate([self.step(rows[i : i + _CHUNK], cache, False) for i in range(0, seq, _CHUNK)])
         with self._lock:
-            return self._step(rows, cache, head)
+            st = self.begin(seq, cache)
+            g = self._graph(seq, cache.capacity, st.lens, head)
+            self._bind(g, rows, cache, st)
+            g.run(*_pool.get())
+            cache.length = st.end
+            return g.out.copy()
 
-    def _step(self, rows: np.ndarray, cache: GraphCache, head: bool) -> np.ndarray:
-        seq, start = rows.shape[0], cache.length
+    def begin(self, seq: int, cache: GraphCache) -> "_StepState":
+        """What one step of ``seq`` rows needs: room in the cache, each window kind's first attended
+        position and length (a multiple of _BUCKET), positions and additive masks."""
+        start = cache.length
         end = start + seq
         cache.reserve(end)
         cap = cache.capacity
-        # each window kind's first attended cache position and length (a multiple of _BUCKET)
-        spans, lens = {}, []
+        spans, lens, masks = {}, [], {}
+        pos = np.arange(start, end, dtype=np.int32)
+        q_pos = pos[:, None]
         for w in self._kinds:
             lo = 0 if w is None else max(0, start - w + 1)
             n = _rounded(end - lo, cap)
-            spans[w] = (min(lo, cap - n), n)
+            a = spans[w] = min(lo, cap - n)
             lens.append((w, n))
-        g = self._graph(seq, cap, tuple(lens), head)
-        g.inp[:] = rows
-        g.pos[:] = np.arange(start, end, dtype=np.int32)
-        q_pos = g.pos[:, None]
-        for w, (a, n) in spans.items():
             k_pos = np.arange(a, a + n, dtype=np.int32)[None, :]
             ok = k_pos <= q_pos
             if w is not None:
                 ok &= (q_pos - k_pos) < w
-            m = g.masks[w]
-            m.fill(-np.inf)
-            m[ok] = 0.0
-        hd4 = self.spec.head_dim * 4
+            masks[w] = np.where(ok, np.float32(0), np.float32(-np.inf))
+        return _StepState(start, end, spans, tuple(lens), pos, masks)
+
+    def _bind(self, g: _Step, rows: np.ndarray, cache: GraphCache, st: "_StepState") -> None:
+        g.inp[:] = rows
+        g.pos[:] = st.pos
+        for w, m in st.masks.items():
+            g.masks[w][:] = m
+        esz = np.dtype(self.kv_dtype).itemsize
+        hdb, start = self.spec.head_dim * esz, st.start
         kw, vw, kr, vr = g.k_write, g.v_write, g.k_read, g.v_read
-        for i, (w, (kb, vb)) in enumerate(zip(self._layer_kind, cache.addrs, strict=True)):
-            a = spans[w][0]
-            kw[i].data = kb + start * hd4
-            vw[i].data = vb + start * 4
-            kr[i].data = kb + a * hd4
-            vr[i].data = vb + a * 4
-        g.run(*_pool.get())
-        cache.length = end
-        return g.out.copy()
+        for j, i in enumerate(g.layer_ids):
+            kb, vb = cache.addrs[i]
+            a = st.spans[self._layer_kind[i]]
+            kw[j].data = kb + start * hdb
+            vw[j].data = vb + start * esz
+            kr[j].data = kb + a * hdb
+            vr[j].data = vb + a * esz
+
+    def attention(self, layer: int, h: np.ndarray, cache: GraphCache, st: "_StepState") -> tuple[np.ndarray, np.ndarray]:
+        """One layer's attention half as a graph (the FFN is elsewhere): the residual after attention
+        and the FFN's normed input, both ``[seq, hidden]``. ``st`` from `begin`; the caller sets
+        ``cache.length = st.end`` after the last layer."""
+        with self._lock:
+            g = self._graph(h.shape[0], cache.capacity, st.lens, False, layer)
+            self._bind(g, h, cache, st)
+            g.run(*_pool.get())
+            return g.out.copy(), g.out_x.copy()
+
+
+@dataclass
+class _StepState:
+    start: int
+    end: int
+    spans: dict
+    lens: tuple
+    pos: np.ndarray
+    masks: dict

@@ -10,6 +10,7 @@ largest maxima (the top k values all lie in those blocks). Ties: the lower id fi
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -51,7 +52,20 @@ class LocalHead:
         s = self.spec
         x = ops.rms_norm(np.atleast_2d(h), self.norm, s.rms_norm_eps, s.family.norm_offset)
         y = np.asarray(self.backend.linear(x, self.weight), dtype=np.float32)
-        return ops.softcap(y, s.final_logit_softcapping)
+        cap = s.final_logit_softcapping
+        if cap is None:
+            return y
+        if not y.flags.writeable or not y.flags.c_contiguous:
+            return ops.softcap(y, cap)
+        # ops.softcap's arithmetic (tanh(y / cap) * cap, float32), in place on the fresh product and row by
+        # row (a 1 MB row stays in cache): its three [rows, vocab] temporaries cost more than its tanh
+        # (16 rows: 7.7 ms -> ~1.5 ms)
+        c = np.float32(cap)
+        for row in y:
+            np.divide(row, c, out=row)
+            np.tanh(row, out=row)
+            np.multiply(row, c, out=row)
+        return y
 
 
 class Top(tuple):
@@ -121,10 +135,22 @@ def top_k_ids(row: np.ndarray, k: int) -> np.ndarray:
     return cand[order]
 
 
+_scratch = threading.local()
+
+
 def log_normaliser(row: np.ndarray) -> float:
-    """log(sum(exp(row))), computed stably (float32 exponentials, float64 sum)."""
+    """log(sum(exp(row))), computed stably (float32 exponentials, float64 sum), in a reused per-thread
+    buffer (a vocabulary row's temporaries cost as much as its exponentials)."""
     m = float(row.max())
-    return m + float(np.log(np.sum(np.exp(row - np.float32(m)), dtype=np.float64)))
+    if row.dtype != np.float32 or row.ndim != 1:
+        return m + float(np.log(np.sum(np.exp(row - np.float32(m)), dtype=np.float64)))
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.size < row.size:
+        buf = _scratch.buf = np.empty(row.size, np.float32)
+    t = buf[: row.size]
+    np.subtract(row, np.float32(m), out=t)
+    np.exp(t, out=t)
+    return m + float(np.log(np.sum(t, dtype=np.float64)))
 
 
 def top_k_logprobs(row: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:

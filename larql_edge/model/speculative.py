@@ -28,6 +28,7 @@ drafters, `accept` and `AdaptiveK` per sequence in its batching step.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -238,11 +239,20 @@ class ModelDrafter:
         self.cache = model.new_cache(slack=64)
         self.windows = model.windows()
         self.fed: list[int] = []
+        self.seconds = 0.0  # spent drafting, so far (--timings, larql_serve_draft_seconds)
 
-    def propose(self, context: Sequence[int], k: int, temperature: float,
-                rng: np.random.Generator) -> Draft:
+    def propose(self, context: Sequence[int], k: int, temperature: float = 0.0,
+                rng: np.random.Generator | None = None) -> Draft:
         if k <= 0:
             return Draft([])
+        t0 = time.perf_counter()
+        try:
+            return self._propose(context, k, temperature, rng)
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+    def _propose(self, context: Sequence[int], k: int, temperature: float,
+                 rng: np.random.Generator | None) -> Draft:
         common = 0
         limit = min(len(self.fed), len(context) - 1)  # at least one new token gives the next logits
         while common < limit and self.fed[common] == context[common]:
@@ -259,7 +269,7 @@ class ModelDrafter:
                 t = int(np.argmax(logits))
             else:
                 d = dist_from_logits(logits, temperature)
-                t = d.sample(rng)
+                t = d.sample(rng if rng is not None else np.random.default_rng())
                 q.append(d)
             tokens.append(t)
             new = [t]
@@ -275,6 +285,25 @@ def check_draft_tokenizer(target_tok, draft_tok, target_vocab: int, draft_vocab:
         raise LarqlError(f"--draft: the draft vindex's tokenizer differs from the model's (vocabularies of "
                          f"{draft_vocab} and {target_vocab} ids{', different tokens' if target_vocab == draft_vocab else ''}): "
                          "a draft model must use the same tokenizer")
+
+
+def open_draft(path: str, target_tok, target_vocab: int):
+    """``--draft VINDEX`` (`larql generate`, larql-serve): the small model run whole here, refused with
+    a clear error unless it is a full vindex with the target's tokenizer."""
+    from larql_edge.errors import VindexError
+    from larql_edge.format.vindex import Vindex
+    from larql_edge.model.forward import Transformer
+
+    try:
+        vx = Vindex.open(path)
+    except VindexError as e:
+        raise VindexError(f"--draft: {e}") from None
+    try:
+        draft = Transformer.local(vx)
+    except VindexError as e:
+        raise VindexError(f"--draft {path}: a draft model runs whole here and needs a full vindex ({e})") from None
+    check_draft_tokenizer(target_tok, vx.load_tokenizer(), target_vocab, draft.spec.vocab_size)
+    return draft
 
 
 # -- the single-sequence loop --------------------------------------------------------------------
@@ -366,21 +395,34 @@ class Settings:
     max_k: int = DEFAULT_MAX_K
     ngram_min: int = NGRAM_MIN
     ngram_max: int = NGRAM_MAX
+    draft: object | None = field(default=None, compare=False)  # a local `Transformer` (--draft): drafts from it
+    draft_name: str | None = None  # what /v1/stats names it (the vindex's path)
 
     def as_json(self) -> dict:
-        return {"enabled": self.enabled, "drafter": "ngram" if self.enabled else None, "max_k": self.max_k,
-                "ngram": [self.ngram_min, self.ngram_max], "adaptive": True}
+        drafter = None if not self.enabled else ("model" if self.draft is not None else "ngram")
+        return {"enabled": self.enabled, "drafter": drafter, "draft": self.draft_name if self.draft is not None else None,
+                "max_k": self.max_k, "ngram": [self.ngram_min, self.ngram_max], "adaptive": True}
 
 
 class SeqSpeculator:
     """One sequence's speculation in a batching step: `propose` the drafts that go in its chunk after
-    its last decided token, then `verify` them against the top candidates of each of its rows."""
+    its last decided token, then `verify` them against the top candidates of each of its rows.
+
+    With a draft model, each sequence has a `ModelDrafter` of its own (its KV cache follows the
+    sequence; the weights are shared) that drafts greedily: point-mass drafts, which the sampling
+    rule verifies exactly as n-gram ones."""
 
     def __init__(self, settings: Settings):
-        self.drafter = NgramDrafter(settings.ngram_max, settings.ngram_min)
+        self.drafter: NgramDrafter | ModelDrafter = (ModelDrafter(settings.draft) if settings.draft is not None
+                                                     else NgramDrafter(settings.ngram_max, settings.ngram_min))
         self.adapt = AdaptiveK(settings.max_k)
         self.drafted = 0
         self.accepted = 0
+
+    @property
+    def seconds(self) -> float:
+        """Time spent in a draft model so far (0 for n-gram drafts: they cost next to nothing)."""
+        return getattr(self.drafter, "seconds", 0.0)
 
     def propose(self, context: Sequence[int], room: int) -> list[int]:
         """At most ``room`` drafts (what the sequence may still emit after the next token, and what

@@ -487,8 +487,9 @@ def add_path_flags(f) -> None:
     """The data path's flags, the same for `larql` and larql-serve (``f``: a `larql_edge.config.Flags`)."""
     f.toggle("--direct", default=True, help="learn the shards from the --ffn router(s) and send each layer's "
              "FFN request straight to one (the router stays the fallback); --no-direct sends everything via the router")
-    f.toggle("--hedge", default=True, help="with --direct: a hop slower than the p95 of recent hops goes to a second "
-             "live replica too, and the first answer is taken")
+    f.toggle("--hedge", default=True, help="with --direct: a hop slower than 1.5x the p95 of recent hops goes to a "
+             "second live replica too, and the first answer is taken (hedged or not, a request stalled past 8x the "
+             "slowest recent hop, >= 0.5 s, is given up and failed over)")
     f.add("--hedge-budget", type=float, default=RemoteSettings.hedge_budget, help="at most this many hedges a second")
 
 

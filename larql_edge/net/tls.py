@@ -75,8 +75,9 @@ def settings_from_args(args: Any) -> TlsSettings:
     """Checked settings from parsed flags (`add_tls_flags`); makes them this process's client context.
 
     Raises SetupError with a one-line message (never a key's content)."""
-    s = TlsSettings(*(_materialize(getattr(args, f"tls_{n}", None), f"--tls-{n.replace('_', '-')}")
-                      for n in ("cert", "key", "ca", "client_ca")), server_name=getattr(args, "tls_server_name", None) or None)
+    cert, key, ca, client_ca = (_materialize(getattr(args, f"tls_{n}", None), f"--tls-{n.replace('_', '-')}")
+                                for n in ("cert", "key", "ca", "client_ca"))
+    s = TlsSettings(cert, key, ca, client_ca, server_name=getattr(args, "tls_server_name", None) or None)
     if s.server_name is not None and not _HOST_NAME.match(s.server_name):
         raise SetupError(f"--tls-server-name {s.server_name!r}: not a DNS name")
     if bool(s.cert) != bool(s.key):

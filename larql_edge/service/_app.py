@@ -73,6 +73,7 @@ def make_app(name: str, role: str, hooks: Hooks, *, max_body: int, access_log: b
         app_.ctx.draining = True
         membership = getattr(app_.ctx, "membership", None)
         if membership is not None:
+            await membership.handover()  # --handover-seconds: a successor joins the routers first
             membership.stop()  # its task leaves the routers now; its own stop listener awaits it
         if hooks.drain is not None:
             await hooks.drain(app_.config.GRACEFUL_SHUTDOWN_TIMEOUT)

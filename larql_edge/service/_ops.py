@@ -4,8 +4,7 @@ Each role says what they answer through `Hooks` kept on ``app.ctx.hooks``:
 
 - ``/v1/health``: 200 while the process serves at all (a liveness probe);
 - ``/v1/ready``: the role's readiness body, or 503 while it loads (the hook raises
-  `ServiceUnavailable`) or drains (leaving the grid before it stops); a grid member adds ``grid``
-  (routers known and joined, ``settled``) and, asked ``?joined=1``, is not ready before it settled;
+  `ServiceUnavailable`) or drains (leaving the grid before it stops);
 - ``/v1/stats``: the role's figures and every limit it enforces;
 - ``/openapi.json``: the role's OpenAPI document, when it has one.
 """
@@ -20,9 +19,7 @@ from sanic import Blueprint
 from sanic.request import Request
 from sanic.response import HTTPResponse, json
 
-from larql_edge.errors import BadRequest, NotFound, ServiceUnavailable
-
-JOINED_VALUES = ("0", "1", "false", "true")
+from larql_edge.errors import NotFound, ServiceUnavailable
 
 
 @dataclass
@@ -50,21 +47,9 @@ async def health(request: Request) -> HTTPResponse:
 
 @bp.get("/v1/ready", name="ready")
 async def ready(request: Request) -> HTTPResponse:
-    """``?joined=1``: also 503 until a grid member has joined every router once (an orchestrator's
-    health check during a rolling update: the old task stops only once this one takes traffic)."""
-    joined = request.args.get("joined", "0")
-    if joined not in JOINED_VALUES:
-        raise BadRequest(f"joined must be one of {', '.join(JOINED_VALUES)}")
     if getattr(request.app.ctx, "draining", False):
         raise ServiceUnavailable("draining: this server is leaving the grid")
-    body = request.app.ctx.hooks.ready()
-    membership = getattr(request.app.ctx, "membership", None)
-    if membership is not None:
-        grid = membership.status()
-        if joined in ("1", "true") and not grid["settled"]:
-            raise ServiceUnavailable(f"not in the grid yet: joined {grid['joined']} of {grid['routers']} router(s)")
-        body = {**body, "grid": grid}
-    return json(body)
+    return json(request.app.ctx.hooks.ready())
 
 
 @bp.get("/v1/stats", name="stats")

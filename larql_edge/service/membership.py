@@ -33,7 +33,8 @@ from sanic.request import Request
 from sanic.response import HTTPResponse, json
 
 from larql_edge.config import Flags
-from larql_edge.errors import ProtocolError, Unauthorized
+from larql_edge.errors import LarqlError, ProtocolError, Unauthorized
+from larql_edge.format.layers import LayerRange
 from larql_edge.net.tls import client_context, verify_name
 from larql_edge.service.identity import rss_bytes
 from larql_edge.wire.grid import HEARTBEAT, JOIN, LEAVE, check_url
@@ -46,6 +47,7 @@ RETRY_FIRST_S = 0.2
 RETRY_MAX_S = 3.0
 REFUSED_RETRY_S = 10.0  # a refused key will not start working soon; don't hammer the router
 NOT_READY_POLL_S = 0.2
+HANDOVER_POLL_S = 0.5
 RESOLVE_S = 5.0
 # A join's reply comes only after the router has probed this member back (two requests of up to 5 s
 # each, router.grid_routes.PROBE_TIMEOUT_S): with 0.75 s one way, a 3 s wait gave up on every join.
@@ -60,6 +62,9 @@ def add_membership_flags(flags: Flags) -> None:
     flags.add("--grid-key", default=None, secret=True, metavar="KEY", help="the grid's shared key (with --join)")
     flags.add("--public-url", default=None, metavar="URL",
               help="URL the routers and clients reach this server at (default: http://HOST:PORT)")
+    flags.add("--handover-seconds", type=float, default=0.0, metavar="S",
+              help="on SIGTERM, stay in the routers up to S seconds until a successor serving the same layers "
+                   "has joined them (rolling updates that start the new task first), then leave and drain")
 
 
 def default_public_url(host: str, port: int, tls: bool = False) -> str:
@@ -74,6 +79,7 @@ class GridSettings:
     routers: tuple[str, ...]
     grid_key: str
     public_url: str
+    handover: float = 0.0
 
     def __repr__(self) -> str:  # never print the key
         return f"GridSettings(routers={self.routers!r}, public_url={self.public_url!r}, grid_key=***)"
@@ -95,7 +101,10 @@ def membership_settings(args: Any, host: str, port: int) -> GridSettings | None:
         raise ProtocolError("--join names no router URL")
     tls = bool(getattr(args, "tls_cert", None))
     public = check_url(getattr(args, "public_url", None) or default_public_url(host, port, tls), "--public-url")
-    return GridSettings(routers=routers, grid_key=key, public_url=public)
+    handover = float(getattr(args, "handover_seconds", 0.0) or 0.0)
+    if handover < 0:
+        raise ProtocolError("--handover-seconds must be 0 or more")
+    return GridSettings(routers=routers, grid_key=key, public_url=public, handover=handover)
 
 
 # An address-URL `expand_router_urls` made -> the name it came from: over https the router's
@@ -133,9 +142,8 @@ class RouterLink:
 
     def __init__(self, router_url: str, grid_key: str, public_url: str, capability: str,
                  describe_fn: Callable[[], dict], timeout: float = 3.0,
-                 ready_fn: Callable[[], bool] | None = None, on_join: Callable[[], None] | None = None):
+                 ready_fn: Callable[[], bool] | None = None):
         self.router = router_url.rstrip("/")
-        self.on_join = on_join
         self._auth = {"Authorization": f"Bearer {grid_key}"}
         self.public_url = public_url
         self.capability = capability
@@ -163,12 +171,7 @@ class RouterLink:
 
     @property
     def _extensions(self) -> dict:
-        # over https the router is verified under the name its address came from, or --tls-server-name
-        if not self.router.startswith("https:"):
-            return {}
-        host = urlsplit(self.router).hostname or ""
-        name = verify_name(SERVER_NAMES.get(self.router, host))
-        return {"sni_hostname": name} if name != host else {}
+        return _tls_extensions(self.router)
 
     async def _post(self, path: str, body: dict, timeout: float | None = None) -> httpx.Response:
         assert self._client is not None
@@ -186,8 +189,6 @@ class RouterLink:
             self.joins += 1
             self._warned = False
             log.info("joined the grid at %s as %s (%s, %s)", self.router, self.member_id, self.capability, self.public_url)
-            if self.on_join is not None:
-                self.on_join()
             return True
         if r.status_code == 401:
             log.error("the router at %s refused the grid key (401); check --grid-key", self.router)
@@ -195,6 +196,13 @@ class RouterLink:
         if r.status_code == 409 and "already has the URL" in _error_text(r):
             # Our previous life's entry: it is evicted soon, then the next join goes through.
             log.warning("the router at %s still holds this URL from an earlier join; retrying", self.router)
+            raise _Busy
+        if r.status_code == 400 and "cannot reach" in _error_text(r):
+            # Usually our name is not in the orchestrator's DNS yet (Swarm and Kubernetes publish a
+            # task's name once it is healthy): soon fixed, so retried at the heartbeat interval.
+            if not self._warned:
+                log.warning("the router at %s cannot reach us yet: %s; retrying", self.router, _error_text(r))
+                self._warned = True
             raise _Busy
         log.error("the router at %s refused the join: %s %s", self.router, r.status_code, _error_text(r))
         return False
@@ -277,30 +285,56 @@ class Membership:
         self.ready = ready_fn
         self.resolve = resolve
         self.links: dict[str, tuple[RouterLink, asyncio.Task]] = {}
-        # Joined every router it resolved, at least once (sticky): what an orchestrator waits for before
-        # it stops the task this one replaces (`/v1/ready?joined=1`), so a rolling update never drops a
-        # layer range below its replica count. Sticky so that a router restarting later does not make
-        # a healthy member look unhealthy (and be killed) while it rejoins.
-        self.settled = False
         self._stop = asyncio.Event()
 
     @property
     def member_ids(self) -> dict[str, str | None]:
         return {url: link.member_id for url, (link, _) in self.links.items()}
 
-    def status(self) -> dict[str, int | bool]:
-        """Routers known, routers joined now, and `settled` (what ``/v1/ready`` reports as ``grid``)."""
-        joined = sum(1 for link, _ in self.links.values() if link.member_id)
-        return {"routers": len(self.links), "joined": joined, "settled": self.settled}
+    async def handover(self) -> None:
+        """Before leaving on SIGTERM (``--handover-seconds``): stay in the routers until each one lists,
+        for every layer of ours, as many live members besides this one as it listed with this one (the
+        successor an orchestrator started first has joined), for at most the handover time.
 
-    def _joined_one(self) -> None:
-        if self.links and all(link.member_id for link, _ in self.links.values()):
-            self.settled = True
+        Why: an orchestrator marks a new task healthy when it serves, and stops the old one then; the
+        new one joins the routers only after that (Swarm and Kubernetes publish its DNS name, which
+        the routers' join probe needs, only once it is healthy). Leaving at once would leave the
+        range one replica short meanwhile, and uncovered if the other replica stalls. A router that
+        does not answer is not waited for; without a successor (a scale-down) this costs the bound."""
+        limit = self.settings.handover
+        if limit <= 0 or not self.links:
+            return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + limit
+        mine = self.describe()
+        me = self.settings.public_url.rstrip("/")
+        routers = list(self.links)
+        async with httpx.AsyncClient(timeout=2.0, verify=client_context()) as c:
+            async def replicas(url: str) -> tuple[int, int] | None:
+                try:
+                    r = await c.get(url + "/v1/grid", extensions=_tls_extensions(url))
+                    return _replicas_besides(r.json(), self.capability, mine, me)
+                except (httpx.HTTPError, LarqlError, ValueError, KeyError, TypeError, AttributeError):
+                    return None
+
+            start = dict(zip(routers, await asyncio.gather(*(replicas(u) for u in routers)), strict=True))
+            # what each router must list besides us: its count with us (we are not listed: nothing to wait for)
+            want = {u: others + listed for u, v in start.items() if v is not None for others, listed in [v]}
+            while True:
+                now = dict(zip(want, await asyncio.gather(*(replicas(u) for u in want)), strict=True))
+                short = {u: (v[0] if v else None, want[u]) for u, v in now.items() if v is not None and v[0] < want[u]}
+                if not short:
+                    log.info("handover: every router lists a successor; leaving")
+                    return
+                if loop.time() >= deadline:
+                    log.warning("handover: no successor after %.0f s (%s); leaving anyway", limit,
+                                ", ".join(f"{u}: {have} of {need} besides us" for u, (have, need) in short.items()))
+                    return
+                await asyncio.sleep(HANDOVER_POLL_S)
 
     def _start(self, url: str) -> None:
         s = self.settings
-        link = RouterLink(url, s.grid_key, s.public_url, self.capability, self.describe, ready_fn=self.ready,
-                          on_join=self._joined_one)
+        link = RouterLink(url, s.grid_key, s.public_url, self.capability, self.describe, ready_fn=self.ready)
         self.links[url] = (link, asyncio.get_running_loop().create_task(link.run()))
 
     async def _drop(self, url: str) -> None:
@@ -337,6 +371,33 @@ class _Refused(Exception):
 
 class _Busy(Exception):
     """Control flow inside a link's loop: the router still has our URL from an earlier join."""
+
+
+def _tls_extensions(router: str) -> dict:
+    """Over https a router is verified under the name its address came from, or --tls-server-name."""
+    if not router.startswith("https:"):
+        return {}
+    host = urlsplit(router).hostname or ""
+    name = verify_name(SERVER_NAMES.get(router, host))
+    return {"sni_hostname": name} if name != host else {}
+
+
+def _replicas_besides(view: dict, capability: str, mine: dict, me: str) -> tuple[int, int]:
+    """From a router's /v1/grid: (live members other than ``me`` that answer what this member answers,
+    fewest over its layers; 1 if ``me`` is listed live, else 0)."""
+    def layers_of(m: dict) -> LayerRange | None:
+        text = m.get("layers")
+        return None if capability != "ffn" or text in (None, "all") else LayerRange.parse(str(text))
+
+    live = [m for m in view["members"] if m.get("capability") == capability and m.get("live")]
+    listed = int(any(m["url"].rstrip("/") == me for m in live))
+    others = [m for m in live if m["url"].rstrip("/") != me]
+    start, end = mine.get("layer_start"), mine.get("layer_end")
+    if capability != "ffn" or start is None or end is None:
+        return len(others), listed
+    spans = [layers_of(m) for m in others]
+    count = min(sum(1 for sp in spans if sp is None or layer in sp) for layer in range(start, end + 1))
+    return count, listed
 
 
 def _error_text(r: httpx.Response) -> str:

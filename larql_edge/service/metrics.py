@@ -291,7 +291,8 @@ HOP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
 class HopMetrics:
     """``larql_<role>_hop_compute_seconds{tier}`` (what the server said it spent: Server-Timing),
     ``..._hop_network_seconds{tier}`` (the rest of the hop's wall time), ``..._local_seconds`` (attention
-    here, per token or step) and ``..._hedges_total{outcome}``: the split of a token's time that shows
+    here, per token or step), ``..._draft_seconds`` (a draft model's, with --draft) and
+    ``..._hedges_total{outcome}``: the split of a token's time that shows
     which hop is slow. Shared by the client (``larql generate --metrics-file``) and larql-serve."""
 
     def __init__(self, metrics: Metrics):
@@ -301,17 +302,21 @@ class HopMetrics:
                                          ("tier",), HOP_BUCKETS)
         self.local = metrics.histogram("local_seconds", "Attention computed here, per token (client) or step (serve)",
                                        (), HOP_BUCKETS)
+        self.draft = metrics.histogram("draft_seconds", "A draft model's time (--draft), per token (client) or step (serve)",
+                                       (), HOP_BUCKETS)
         self.hedges = metrics.counter("hedges", "Hedged hops: sent to a second replica, and won by it", ("outcome",))
         for outcome in ("sent", "won"):
             self.hedges.labels(outcome)  # both series exist from the start (at 0)
         self._hedged = (0, 0)
 
-    def record(self, hops, local_s: float | None = None) -> None:
+    def record(self, hops, local_s: float | None = None, draft_s: float | None = None) -> None:
         for h in hops:
             self.compute.labels(h.tier).observe(h.server_s or 0.0)
             self.network.labels(h.tier).observe(h.network_s)
         if local_s is not None:
             self.local.observe(local_s)
+        if draft_s is not None:
+            self.draft.observe(draft_s)
 
     def hedged(self, sent: int, won: int) -> None:
         """The hedger's running totals; counts what is new since the last call."""

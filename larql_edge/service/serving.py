@@ -30,7 +30,8 @@ def add_server_flags(flags: Flags, port: int, workers: bool = False) -> None:
     if workers:
         flags.add("--workers", type=int, default=1, help="worker processes (each maps the same files; metrics add up)")
     flags.add("--blas-threads", type=int, default=1,
-              help="BLAS threads per process (processes sharing a machine must not oversubscribe it)")
+              help="BLAS and kernel threads per process (processes sharing a machine must not oversubscribe it; "
+                   "LARQL_KERNEL_THREADS sets the kernels' alone)")
     flags.add("--log-level", default="info", help="debug, info, warning or error")
     flags.add("--drain-seconds", type=float, default=DRAIN_S,
               help="on SIGTERM, how long requests in flight have to finish before they are cut")

@@ -84,13 +84,7 @@ def ops_paths(role: str, ready: dict, stats: dict, ready_503: str) -> dict:
             "Alive: answers as soon as the process listens",
             {"200": ok("Alive", {"type": "object", "required": ["status"], "properties": {"status": {"const": "ok"}}})},
         ),
-        "/v1/ready": {"get": {**op("ready", "Ready to serve", {"200": ok("Ready", ready), "400": err("A bad joined value"),
-                                                           "503": err(ready_503)})["get"],
-                              "parameters": [{
-                                  "name": "joined", "in": "query", "required": False,
-                                  "schema": {"type": "string", "enum": ["0", "1", "false", "true"]},
-                                  "description": "1: a grid member is not ready before it has joined every router once "
-                                                 "(its ready body's grid.settled; a rolling update's health check)"}]}},
+        "/v1/ready": op("ready", "Ready to serve", {"200": ok("Ready", ready), "503": err(ready_503)}),
         "/v1/stats": op("stats", "Figures and every enforced limit", {"200": ok("Stats", stats)}),
         "/metrics": op(
             "metrics",
@@ -99,14 +93,6 @@ def ops_paths(role: str, ready: dict, stats: dict, ready_503: str) -> dict:
         ),
         "/openapi.json": op("openapi", "This description", {"200": ok("OpenAPI 3.1 document", OBJECT)}),
     }
-
-
-# The ``grid`` member of a grid member's /v1/ready (`larql_edge.service.membership.Membership.status`).
-MEMBER_READY_GRID = {
-    "type": "object", "required": ["routers", "joined", "settled"],
-    "properties": {"routers": {"type": "integer", "minimum": 0}, "joined": {"type": "integer", "minimum": 0},
-                   "settled": {"type": "boolean", "description": "has joined every router it resolved, at least once"}},
-}
 
 
 def member_paths() -> dict:

@@ -3,6 +3,7 @@ from __future__ import annotations
 import numpy as np
 
 from larql_edge.format.quant import QBlocks, dequantize_matrix
+from larql_edge.model.ops import linear_rows
 
 
 class NumpyBackend:
@@ -16,4 +17,4 @@ class NumpyBackend:
         return np.ascontiguousarray(w, dtype=np.float32)
 
     def linear(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
-        return x @ w.T
+        return linear_rows(x, w.T) if x.ndim == 2 else x @ w.T  # rows as alone: speculation stays exact

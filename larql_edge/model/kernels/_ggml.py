@@ -8,6 +8,12 @@ Q8_K for the K-quants, f16 for f16), exactly as llama.cpp does, then runs its ``
 Graphs are built once per (matrix, rows of x, row range) and reused; a call only repoints ``x`` and
 ``y`` and runs ``ggml_graph_compute`` with one thread (our pool splits rows: `_threads`).
 
+Repacked weights (`Repacked`): for the block types ggml's CPU build can interleave for its gemm/gemv
+kernels on this CPU (x86-64 AVX2: Q4_K, Q4_0, IQ4_NL; more on arm64), a matrix is copied once, in
+memory, into ggml's repack buffer (``ggml_backend_cpu_repack_buffer_type``: rows interleaved by 8,
+the same bytes per row) and multiplied from there: measured 1.5-2x faster than ``vec_dot`` per row
+at 1-32 rows (DESIGN.md §9). The vindex file is not touched.
+
 Why not the other routes (measured, DESIGN.md "Kernels"): a per-row ``vec_dot`` loop needs a compiled
 loop (numba: ~200 MB per image, ~70 MB RSS per process); ggml's own thread pool per call (threadpool
 NULL) spawns threads on every product, 20-80x slower on this loaded 2-core machine.
@@ -62,6 +68,19 @@ class ThreadpoolParams(C.Structure):  # struct ggml_threadpool_params (ggml.h; G
 
 
 _TP = C.POINTER(_Tensor)
+_LOG_CALLBACK = C.CFUNCTYPE(None, C.c_int, C.c_char_p, C.c_void_p)
+_log_state = {"shown": False}
+
+
+def _log(level: int, text: bytes, _user) -> None:
+    # ggml_log_level: 1 debug, 2 info, 3 warn, 4 error, 5 continuation of the previous line
+    show = level in (3, 4) or (level == 5 and _log_state["shown"])
+    _log_state["shown"] = show
+    if show and text:
+        sys.stderr.write(text.decode("utf-8", "replace"))
+
+
+_LOG = _LOG_CALLBACK(_log)
 _TO_FLOAT = C.CFUNCTYPE(None, C.c_void_p, C.c_void_p, C.c_int64)
 _CPU_FEATURES = ("avx", "avx2", "fma", "f16c", "avx512", "avx512_vnni", "avx_vnni", "neon", "dotprod",
                  "matmul_int8", "sve", "llamafile")
@@ -101,6 +120,24 @@ class _Lib:
         c.ggml_graph_plan.restype, c.ggml_graph_plan.argtypes = _CPlan, [C.c_void_p, C.c_int, C.c_void_p]
         c.ggml_graph_compute.restype, c.ggml_graph_compute.argtypes = C.c_int, [C.c_void_p, C.POINTER(_CPlan)]
         c.ggml_cpu_init()
+        b.ggml_backend_buft_alloc_buffer.restype = C.c_void_p
+        b.ggml_backend_buft_alloc_buffer.argtypes = [C.c_void_p, C.c_size_t]
+        b.ggml_backend_buffer_get_base.restype, b.ggml_backend_buffer_get_base.argtypes = C.c_void_p, [C.c_void_p]
+        b.ggml_backend_buffer_free.argtypes = [C.c_void_p]
+        b.ggml_backend_tensor_alloc.restype = C.c_int
+        b.ggml_backend_tensor_alloc.argtypes = [C.c_void_p, _TP, C.c_void_p]
+        b.ggml_backend_tensor_set.argtypes = [_TP, C.c_void_p, C.c_size_t, C.c_size_t]
+        b.ggml_nbytes.restype, b.ggml_nbytes.argtypes = C.c_size_t, [_TP]
+        # ggml's default logger prints its debug lines (one per repacked matrix) to stderr: keep
+        # warnings and errors only
+        b.ggml_log_set.argtypes = [_LOG_CALLBACK, C.c_void_p]
+        b.ggml_log_set(_LOG, None)
+        # C++ (not extern "C") in ggml-cpu: looked up by its mangled name; absent in other builds
+        fn = getattr(c, "_Z35ggml_backend_cpu_repack_buffer_typev", None)
+        self.repack_buft = None
+        if fn is not None:
+            fn.restype = C.c_void_p
+            self.repack_buft = fn()
         self._bind_graph_api()
         if C.sizeof(_Tensor) + 32 > b.ggml_tensor_overhead() + 32 or C.sizeof(_Tensor) != 336:
             raise KernelError(f"libggml {self.version}: struct ggml_tensor is not the layout this binding knows")
@@ -116,17 +153,17 @@ class _Lib:
         """The ops a whole decode step is built from (`larql_edge.model.graph`), ggml's allocator and
         its persistent thread pool."""
         b, c = self.base, self.cpu
-        V, I64, F, I = C.c_void_p, C.c_int64, C.c_float, C.c_int
+        V, I64, F, Int = C.c_void_p, C.c_int64, C.c_float, C.c_int
         sig = {
-            "ggml_new_tensor_1d": [V, I, I64], "ggml_new_tensor_3d": [V, I, I64, I64, I64],
+            "ggml_new_tensor_1d": [V, Int, I64], "ggml_new_tensor_3d": [V, Int, I64, I64, I64],
             "ggml_add": [V, _TP, _TP], "ggml_mul": [V, _TP, _TP], "ggml_rms_norm": [V, _TP, F],
-            "ggml_rope_ext": [V, _TP, _TP, _TP, I, I, I, F, F, F, F, F, F],
+            "ggml_rope_ext": [V, _TP, _TP, _TP, Int, Int, Int, F, F, F, F, F, F],
             "ggml_soft_max_ext": [V, _TP, _TP, F, F], "ggml_geglu_split": [V, _TP, _TP],
             "ggml_swiglu_split": [V, _TP, _TP], "ggml_scale": [V, _TP, F], "ggml_tanh": [V, _TP],
             "ggml_cpy": [V, _TP, _TP], "ggml_cont_2d": [V, _TP, I64, I64], "ggml_reshape_3d": [V, _TP, I64, I64, I64],
             "ggml_view_2d": [V, _TP, I64, I64, C.c_size_t, C.c_size_t],
             "ggml_view_3d": [V, _TP, I64, I64, I64, C.c_size_t, C.c_size_t, C.c_size_t],
-            "ggml_permute": [V, _TP, I, I, I, I], "ggml_transpose": [V, _TP], "ggml_pad": [V, _TP, I, I, I, I],
+            "ggml_permute": [V, _TP, Int, Int, Int, Int], "ggml_transpose": [V, _TP], "ggml_pad": [V, _TP, Int, Int, Int, Int],
         }
         for name, args in sig.items():
             f = getattr(b, name)
@@ -181,23 +218,85 @@ def _ctx_bytes() -> int:
     return 3 * int(lib().base.ggml_tensor_overhead()) + int(lib().base.ggml_graph_overhead_custom(4, False)) + 1024
 
 
+class Repacked:
+    """A matrix copied into ggml's repack buffer (rows interleaved for its gemm/gemv kernels).
+
+    `make` returns None where this build of ggml has no repacked kernel for the type on this CPU
+    (or the rows are not a multiple of 8). Row ranges ``[a, b)`` with ``a`` and ``b`` multiples of 8
+    are views of the same buffer (a group of 8 interleaved rows takes 8 rows' bytes)."""
+
+    ALIGN = 8
+
+    def __init__(self, buffer: int, base: int, extra: int, wtype: int, kcols: int, rows: int, row_bytes: int):
+        self.buffer, self.base, self.extra = buffer, base, extra
+        self.wtype, self.kcols, self.rows, self.row_bytes = wtype, kcols, rows, row_bytes
+
+    @classmethod
+    def make(cls, wdata: np.ndarray, wtype: int, kcols: int) -> Repacked | None:
+        L = lib()
+        rows = wdata.shape[0]
+        if L.repack_buft is None or rows % cls.ALIGN:
+            return None
+        mem = np.empty(_ctx_bytes(), np.uint8)
+        ctx = L.base.ggml_init(_InitParams(mem.nbytes, mem.ctypes.data, True))
+        try:
+            w = L.base.ggml_new_tensor_2d(ctx, wtype, kcols, rows)
+            nbytes = int(L.base.ggml_nbytes(w))
+            if nbytes != wdata.nbytes:
+                return None
+            buf = L.base.ggml_backend_buft_alloc_buffer(L.repack_buft, nbytes)
+            if not buf:
+                return None
+            base = L.base.ggml_backend_buffer_get_base(buf)
+            if L.base.ggml_backend_tensor_alloc(buf, w, base) != 0 or not w.contents.extra:
+                L.base.ggml_backend_buffer_free(buf)  # no repacked kernel for this type here
+                return None
+            src = np.ascontiguousarray(wdata)
+            L.base.ggml_backend_tensor_set(w, src.ctypes.data, 0, nbytes)  # ggml interleaves the rows
+            return cls(buf, base, w.contents.extra, wtype, kcols, rows, nbytes // rows)
+        finally:
+            L.base.ggml_free(ctx)
+
+    def tensor(self, ctx: int, a: int, b: int):
+        """Rows ``[a, b)`` as a tensor of ``ctx`` in the repack buffer (what ggml's kernels dispatch on)."""
+        if a % self.ALIGN or (b - a) % self.ALIGN:
+            raise KernelError(f"repacked rows [{a}, {b}) are not whole groups of {self.ALIGN}")
+        w = lib().base.ggml_new_tensor_2d(ctx, self.wtype, self.kcols, b - a)
+        w.contents.buffer = self.buffer
+        w.contents.extra = self.extra
+        w.contents.data = self.base + a * self.row_bytes
+        return w
+
+    def __del__(self) -> None:
+        if getattr(self, "buffer", None) and _lib is not None:
+            _lib.base.ggml_backend_buffer_free(self.buffer)
+            self.buffer = None
+
+
 class MulMat:
     """One ``ggml_mul_mat`` graph: weight rows ``[a, b)`` of a matrix times ``n`` rows of x.
 
     Not re-entrant (its work buffer holds the quantized x): a caller takes one from `MatMulCache`.
+    ``repacked``: the rows come from that copy instead (``wdata`` is then the whole matrix, kept for
+    its shape only).
     """
 
-    def __init__(self, wdata: np.ndarray, wtype: int, kcols: int, n: int, ystride: int):
+    def __init__(self, wdata: np.ndarray, wtype: int, kcols: int, n: int, ystride: int,
+                 repacked: tuple[Repacked, int, int] | None = None):
         L = lib()
         self._mem = np.empty(_ctx_bytes(), np.uint8)
         self._ctx = L.base.ggml_init(_InitParams(self._mem.nbytes, self._mem.ctypes.data, True))
         if not self._ctx:
             raise KernelError("ggml_init failed")
-        rows = wdata.shape[0]
-        w = L.base.ggml_new_tensor_2d(self._ctx, wtype, kcols, rows)
-        w.contents.data = wdata.ctypes.data
-        if w.contents.nb[1] != wdata.strides[0]:
-            raise KernelError(f"weight row bytes {wdata.strides[0]} != ggml's {w.contents.nb[1]}")
+        if repacked is not None:
+            rp, a, b = repacked
+            w = rp.tensor(self._ctx, a, b)
+        else:
+            rows = wdata.shape[0]
+            w = L.base.ggml_new_tensor_2d(self._ctx, wtype, kcols, rows)
+            w.contents.data = wdata.ctypes.data
+            if w.contents.nb[1] != wdata.strides[0]:
+                raise KernelError(f"weight row bytes {wdata.strides[0]} != ggml's {w.contents.nb[1]}")
         x = L.base.ggml_new_tensor_2d(self._ctx, TYPE["f32"], kcols, n)
         y = L.base.ggml_mul_mat(self._ctx, w, x)
         y.contents.nb[1] = ystride * 4  # write straight into the caller's [n, all rows] output
@@ -208,7 +307,7 @@ class MulMat:
         self._work = np.empty(max(1, self._plan.work_size), np.uint8)
         self._plan.work_data = self._work.ctypes.data
         self._x, self._y = x.contents, y.contents
-        self._keep = wdata
+        self._keep = (wdata, repacked)
         self._compute = L.cpu.ggml_graph_compute
         self._plan_ref = C.byref(self._plan)
 
@@ -231,8 +330,9 @@ class MatMulCache:
 
     _MAX_KEYS = 96
 
-    def __init__(self, wdata: np.ndarray, wtype: int, kcols: int, ystride: int):
+    def __init__(self, wdata: np.ndarray, wtype: int, kcols: int, ystride: int, repacked: Repacked | None = None):
         self.wdata, self.wtype, self.kcols, self.ystride = wdata, wtype, kcols, ystride
+        self.repacked = repacked
         self._free: dict[tuple[int, int, int], list[MulMat]] = {}
 
     def run(self, n: int, a: int, b: int, x_ptr: int, y_ptr: int) -> None:
@@ -245,7 +345,10 @@ class MatMulCache:
         try:
             g = free.pop()
         except IndexError:
-            g = MulMat(self.wdata[a:b], self.wtype, self.kcols, n, self.ystride)
+            if self.repacked is not None:
+                g = MulMat(self.wdata, self.wtype, self.kcols, n, self.ystride, (self.repacked, a, b))
+            else:
+                g = MulMat(self.wdata[a:b], self.wtype, self.kcols, n, self.ystride)
         try:
             g.run(x_ptr + 0, y_ptr + a * 4)
         finally:
@@ -257,3 +360,50 @@ def to_float(fmt: str, src: np.ndarray, dst: np.ndarray) -> None:
     number of values), with ggml's own dequantizer."""
     lib().to_float[fmt](src.ctypes.data, dst.ctypes.data, dst.size)
 
+
+
+_gelu_table: np.ndarray | None = None
+
+
+def gelu_table() -> np.ndarray:
+    """ggml's GELU at every float16 input, as float32 ``[65536]`` (indexed by the input's float16 bits):
+    what ggml's own ``ggml_table_gelu_f16`` holds, taken from ggml by running its GELU once."""
+    global _gelu_table
+    if _gelu_table is None:
+        L = lib()
+        b = L.base
+        x = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32)
+        x[~np.isfinite(x)] = 0.0
+        y = np.empty_like(x)
+        mem = np.empty(4 * int(b.ggml_tensor_overhead()) + int(b.ggml_graph_overhead_custom(8, False)) + 1024, np.uint8)
+        ctx = b.ggml_init(_InitParams(mem.nbytes, mem.ctypes.data, True))
+        try:
+            b.ggml_gelu.restype, b.ggml_gelu.argtypes = _TP, [C.c_void_p, _TP]
+            tx = b.ggml_new_tensor_2d(ctx, TYPE["f32"], x.size, 1)
+            tx.contents.data = x.ctypes.data
+            ty = b.ggml_gelu(ctx, tx)
+            ty.contents.data = y.ctypes.data
+            g = b.ggml_new_graph_custom(ctx, 8, False)
+            b.ggml_build_forward_expand(g, ty)
+            plan = L.cpu.ggml_graph_plan(g, 1, None)
+            work = np.empty(max(1, plan.work_size), np.uint8)
+            plan.work_data = work.ctypes.data
+            if L.cpu.ggml_graph_compute(g, C.byref(plan)) != 0:
+                raise KernelError("ggml_graph_compute failed")
+        finally:
+            b.ggml_free(ctx)
+        _gelu_table = y
+    return _gelu_table
+
+
+def gelu(x: np.ndarray) -> np.ndarray:
+    """GELU (tanh form) as ggml computes it for float32 (llama.cpp's Gemma FFN): looked up at the input
+    rounded to float16; 0 from -10 down, the identity from 10 up. The compact backend's activation, so
+    that an FFN shard computes what the one-graph step computes (`larql_edge.model.graph`)."""
+    x = np.asarray(x, dtype=np.float32)
+    y = gelu_table()[x.astype(np.float16).view(np.uint16)]
+    y[x <= -10.0] = 0.0
+    big = x >= 10.0
+    if big.any():
+        y[big] = x[big]
+    return y

@@ -9,12 +9,17 @@ import numpy as np
 
 from larql_edge.model.kernels import _ggml, _threads
 from larql_edge.model.kernels._formats import FORMATS, KernelError, block_format
+from larql_edge.model.ops import linear_rows
 
 # From this many rows of x on, a product decodes W tile by tile into float32 (ggml's dequantizer) and
 # multiplies each tile with BLAS instead of ggml's mul_mat; the wheel's x86 build has no llamafile
 # sgemm and no AVX-512/VNNI, so its batched path is a loop of vec_dot (DESIGN.md, "Kernels").
 TILED_FROM_ROWS = 1 << 30  # measured below: ggml's mul_mat is never slower here (benchmarks/kernels.py)
 _TILE_ROWS = 256  # a 256 x 2048 float32 tile is 2 MiB: it stays in L2/L3 between decode and SGEMM
+
+# Repack a matrix into ggml's interleaved layout on its first product where ggml has a repacked
+# kernel for its type on this CPU (x86-64 AVX2: Q4_K; DESIGN.md §9). False: always the stored bytes.
+REPACK = True
 
 # A product is split across the kernel threads only if it is at least this many multiply-adds;
 # below it, handing work to a thread costs more than it saves (a 1-row q_proj is ~0.65 M).
@@ -35,6 +40,7 @@ class CompactMatrix:
     shape: tuple[int, int]
     data: np.ndarray = field(repr=False)
     _graphs: _ggml.MatMulCache | None = field(default=None, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     # -- construction -------------------------------------------------------------------------
 
@@ -120,7 +126,7 @@ class CompactMatrix:
         elif out.dtype != np.float32 or out.shape != (n, rows) or not out.flags.c_contiguous:
             raise KernelError(f"out must be a C-contiguous float32 [{n}, {rows}] array")
         if self.fmt == "f32":
-            np.matmul(x2, self.data.T, out=out)
+            linear_rows(x2, self.data.T, out=out)  # a row's floats do not depend on its company
             return out[0] if vector else out
         if n:
             pc = FORMATS[self.fmt].padded_cols(cols)
@@ -136,14 +142,29 @@ class CompactMatrix:
                 else:
                     self._ggml(xs, out, a, b)
 
-            _threads.split_rows(work, rows, n * rows * cols >= PARALLEL_FROM_MACS)
+            g = self._graphs or self._make_graphs()
+            align = _ggml.Repacked.ALIGN if g.repacked is not None else 1
+            _threads.split_rows(work, rows, n * rows * cols >= PARALLEL_FROM_MACS, align)
         return out[0] if vector else out
 
+    def _make_graphs(self) -> _ggml.MatMulCache:
+        with self._lock:  # concurrent first products: one repack
+            if self._graphs is None:
+                pc = FORMATS[self.fmt].padded_cols(self.shape[1])
+                wtype = _ggml.TYPE[self.fmt]
+                rp = _ggml.Repacked.make(self.data, wtype, pc) if REPACK and self.fmt != "f16" else None
+                if rp is not None:
+                    _release_pages(self.data)  # the repacked copy is what is read from now on
+                self._graphs = _ggml.MatMulCache(self.data, wtype, pc, self.shape[0], rp)
+        return self._graphs
+
+    @property
+    def repacked(self) -> bool:
+        """Whether products read ggml's repacked copy (made on the first product) instead of the stored bytes."""
+        return (self._graphs or self._make_graphs()).repacked is not None
+
     def _ggml(self, x: np.ndarray, out: np.ndarray, a: int, b: int) -> None:
-        g = self._graphs
-        if g is None:
-            pc = FORMATS[self.fmt].padded_cols(self.shape[1])
-            g = self._graphs = _ggml.MatMulCache(self.data, _ggml.TYPE[self.fmt], pc, self.shape[0])
+        g = self._graphs or self._make_graphs()
         g.run(x.shape[0], a, b, x.ctypes.data, out.ctypes.data)
 
     def rows(self, idx) -> np.ndarray:
@@ -190,6 +211,31 @@ def _dims(rows, cols) -> tuple[int, int]:
     if r <= 0 or c <= 0 or r != rows or c != cols:
         raise KernelError(f"weight shape must be positive integers, got [{rows}, {cols}]")
     return r, c
+
+
+def _release_pages(a: np.ndarray) -> None:
+    """Drop this process's resident pages of ``a`` when it is a read-only file mapping (re-read from
+    the page cache if ever touched again): a repacked matrix would otherwise count twice in RSS."""
+    import mmap
+
+    base = a
+    while base is not None and not isinstance(base, np.memmap):
+        base = getattr(base, "base", None)
+        if isinstance(base, mmap.mmap):
+            return  # a bare mmap: its access mode is unknown, leave it
+    if base is None or getattr(base, "mode", None) != "r":
+        return
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        page = mmap.PAGESIZE
+        start = -(-a.ctypes.data // page) * page  # whole pages inside the array only
+        end = (a.ctypes.data + a.nbytes) // page * page
+        if end > start:
+            libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), 4)  # MADV_DONTNEED
+    except (OSError, AttributeError):  # not Linux-like: the pages stay until the kernel reclaims them
+        pass
 
 
 def _decode_rows(m: CompactMatrix, ids: np.ndarray, out: np.ndarray) -> None:

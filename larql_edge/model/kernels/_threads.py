@@ -58,15 +58,17 @@ def _get_pool(workers: int) -> ThreadPoolExecutor:
         return _pool
 
 
-def split_rows(work, rows: int, parallel: bool) -> None:
-    """Run ``work(a, b)`` over ``[0, rows)``, split into contiguous ranges across the threads."""
+def split_rows(work, rows: int, parallel: bool, align: int = 1) -> None:
+    """Run ``work(a, b)`` over ``[0, rows)``, split into contiguous ranges across the threads (each
+    range's bounds multiples of ``align``, but the last's end)."""
     n = get_threads() if parallel else 1
     n = min(n, max(1, rows // 64))
     if n == 1:
         work(0, rows)
         return
     step = -(-rows // n)
-    bounds = [(i * step, min(rows, (i + 1) * step)) for i in range(n)]
+    step = -(-step // align) * align
+    bounds = [(i * step, min(rows, (i + 1) * step)) for i in range(n) if i * step < rows]
     futures = [_get_pool(n - 1).submit(work, a, b) for a, b in bounds[1:]]
     try:
         work(*bounds[0])

@@ -19,6 +19,7 @@ class TokenTime:
     wall_s: float
     local_s: float
     hops: list[Hop] = field(default_factory=list)
+    draft_s: float = 0.0  # the draft model's time (--draft), here on this machine
 
     @property
     def hops_s(self) -> float:
@@ -26,6 +27,7 @@ class TokenTime:
 
     def as_json(self) -> dict:
         return {"wall_ms": round(self.wall_s * 1e3, 3), "local_ms": round(self.local_s * 1e3, 3),
+                "draft_ms": round(self.draft_s * 1e3, 3),
                 "hops": [{"tier": h.tier, "layer": h.layer, "url": h.url, "wall_ms": round(h.wall_s * 1e3, 3),
                           "compute_ms": round((h.server_s or 0.0) * 1e3, 3), "network_ms": round(h.network_s * 1e3, 3),
                           "hedged": h.hedged} for h in self.hops]}
@@ -43,12 +45,14 @@ def report(tokens: list[TokenTime], hedges: dict | None = None) -> str:
     n = len(decoded)
     wall = sum(t.wall_s for t in decoded) / n
     local = sum(t.local_s for t in decoded) / n
+    draft = sum(t.draft_s for t in decoded) / n
     hops = [h for t in decoded for h in t.hops]
     compute = sum(h.server_s or 0.0 for h in hops) / n
     network = sum(h.network_s for h in hops) / n
-    other = wall - local - compute - network
+    other = wall - local - draft - compute - network
+    drafted = f" + draft model {draft * 1e3:.2f} ms" if any(t.draft_s for t in decoded) else ""
     lines = [f"timings: mean of {n} decoded tokens: {wall * 1e3:.2f} ms = local attention {local * 1e3:.2f} ms"
-             f" + {len(hops) / n:.0f} hops ({compute * 1e3:.2f} ms compute, {network * 1e3:.2f} ms network)"
+             f"{drafted} + {len(hops) / n:.0f} hops ({compute * 1e3:.2f} ms compute, {network * 1e3:.2f} ms network)"
              f" + other {other * 1e3:.2f} ms"]
     by: dict[tuple[int, str], list[Hop]] = defaultdict(list)
     order = {"embed": -1, "ffn": 0, "logits": 1 << 20, "topology": 1 << 21}

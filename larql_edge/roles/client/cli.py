@@ -15,7 +15,7 @@ import time
 
 from larql_edge.config import Flags
 from larql_edge.console import run_command
-from larql_edge.errors import LarqlError, VindexError
+from larql_edge.errors import LarqlError
 from larql_edge.roles.client._build import add_model_flags, build_model
 from larql_edge.roles.client._stream import TextStream
 from larql_edge.roles.client._timings import TokenTime, report
@@ -101,7 +101,7 @@ def generate(args: argparse.Namespace) -> int:
     hops = HopLog() if timed else None
     model, tok = build_model(args, hops)
     ids = _encode(tok, args.prompt)
-    drafter = build_drafter(args.draft, model, tok) if args.draft else None
+    drafter = speculative.ModelDrafter(speculative.open_draft(args.draft, tok, model.spec.vocab_size)) if args.draft else None
     out: list[int] = []
     stream = TextStream(tok)
     stats = speculative.SpecStats()
@@ -110,7 +110,8 @@ def generate(args: argparse.Namespace) -> int:
     if not args.json:
         sys.stdout.write(args.prompt)
         sys.stdout.flush()
-    last, local = t0, model.local_s
+    drafted = lambda: drafter.seconds if drafter is not None else 0.0  # noqa: E731
+    last, local, draft = t0, model.local_s, drafted()
     # With speculation a pass may yield several tokens: its time goes to the first, the rest cost ~0.
     tokens = (speculative.generate(model, ids, args.max_tokens, args.temperature, args.seed, drafter=drafter,
                                    max_k=args.spec_k, stats=stats)
@@ -119,13 +120,13 @@ def generate(args: argparse.Namespace) -> int:
         for t in tokens:
             if hops is not None:
                 now = time.perf_counter()
-                times.append(TokenTime(now - last, model.local_s - local, hops.drain()))
+                times.append(TokenTime(now - last, model.local_s - local, hops.drain(), drafted() - draft))
             out.append(t)
             if not args.json:
                 sys.stdout.write(stream.push(t))
                 sys.stdout.flush()
             if hops is not None:
-                last, local = time.perf_counter(), model.local_s
+                last, local, draft = time.perf_counter(), model.local_s, drafted()
     except BaseException:
         if not args.json:  # the error (or ^C) goes on a line of its own, not glued to the text
             sys.stdout.write(stream.flush() + "\n")
@@ -138,7 +139,7 @@ def generate(args: argparse.Namespace) -> int:
         _write_metrics(args.metrics_file, times, hedges)
     if args.json:
         spec = ({"drafter": "model" if args.draft else "ngram", "passes": stats.passes, "drafted": stats.drafted,
-                 "accepted": stats.accepted} if args.speculate else None)
+                 "accepted": stats.accepted, "draft_seconds": round(drafted(), 3)} if args.speculate else None)
         body = {"prompt": args.prompt, "prompt_ids": ids, "generated_ids": out, "text": tok.decode(out),
                 "seconds": round(dt, 3), "speculation": spec}
         if args.timings:
@@ -160,7 +161,7 @@ def _write_metrics(path: str, times: list[TokenTime], hedges: dict | None) -> No
     m = Metrics("client")
     hm = HopMetrics(m)
     for t in times:
-        hm.record(t.hops, t.local_s)
+        hm.record(t.hops, t.local_s, t.draft_s if t.draft_s else None)
     if hedges:
         hm.hedged(hedges["hedges_sent"], hedges["hedges_won"])
     try:
@@ -168,24 +169,6 @@ def _write_metrics(path: str, times: list[TokenTime], hedges: dict | None) -> No
             f.write(m.render())
     except OSError as e:
         raise LarqlError(f"--metrics-file {path}: {e.strerror or e}") from None
-
-
-def build_drafter(path: str, model, tok):
-    """``--draft VINDEX``: a whole local model drafting for ``model``; refused unless it shares the tokenizer."""
-    from larql_edge.format.vindex import Vindex
-    from larql_edge.model.forward import Transformer
-    from larql_edge.model.speculative import ModelDrafter, check_draft_tokenizer
-
-    try:
-        vx = Vindex.open(path)
-    except VindexError as e:
-        raise VindexError(f"--draft: {e}") from None
-    try:
-        draft = Transformer.local(vx)
-    except VindexError as e:
-        raise VindexError(f"--draft {path}: a draft model runs whole here and needs a full vindex ({e})") from None
-    check_draft_tokenizer(tok, vx.load_tokenizer(), model.spec.vocab_size, draft.spec.vocab_size)
-    return ModelDrafter(draft)
 
 
 def main(argv: list[str] | None = None) -> int:

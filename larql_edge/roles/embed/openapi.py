@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from larql_edge.roles.embed.config import Limits
 from larql_edge.wire.embed_api import ERRORS, EmbedApi
-from larql_edge.wire.openapi import MEMBER_READY_GRID, document, main, member_paths, ops_paths, ref
+from larql_edge.wire.openapi import document, main, member_paths, ops_paths, ref
 
 
 def openapi_spec(deployment: dict | None = None) -> dict:
@@ -32,7 +32,7 @@ def openapi_spec(deployment: dict | None = None) -> dict:
             "type": "object",
             "required": ["status", "models"],
             "properties": {"status": {"const": "ready"}, "models": {"type": "array", "items": {"type": "string"}},
-                           "pid": {"type": "integer"}, "grid": MEMBER_READY_GRID},
+                           "pid": {"type": "integer"}},
         },
         "Stats": {
             "type": "object",

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from larql_edge.roles.ffn.shard import Limits
 from larql_edge.wire.ffn_api import WalkApi
-from larql_edge.wire.openapi import MEMBER_READY_GRID, document, main, member_paths, ops_paths, ref
+from larql_edge.wire.openapi import document, main, member_paths, ops_paths, ref
 
 LIMITS = ("max_rows", "max_layers_per_request", "repeated_layers", "max_reply_bytes", "max_rows_x_layers", "max_body_bytes")
 
@@ -31,7 +31,7 @@ def openapi_spec(stats: dict | None = None) -> dict:
     integer, number, string = {"type": "integer"}, {"type": "number"}, {"type": "string"}
     schemas = api.schemas() | {
         "Ready": {"type": "object", "required": ["ready", "layers"],
-                  "properties": {"ready": {"const": True}, "layers": string, "grid": MEMBER_READY_GRID}},
+                  "properties": {"ready": {"const": True}, "layers": string}},
         "Stats": {
             "type": "object",
             "required": ["mode", "model", "num_layers", "hidden_size", "layer_start", "layer_end", "limits"],

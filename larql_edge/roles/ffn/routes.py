@@ -12,6 +12,7 @@ from larql_edge.service import JSON_KIND, body_kind, json_body
 from larql_edge.wire import ffn as wire
 
 bp = Blueprint("walk_ffn")
+INLINE_ROWS = 4  # rows x layers up to which a binary request is computed in the event loop
 
 
 @bp.post("/v1/walk-ffn", name="walk_ffn")
@@ -37,5 +38,12 @@ async def walk_ffn(request: Request) -> HTTPResponse:
             return wire.encode_batch_response(results, ms, f16)
         return wire.encode_response(results[0][0], results[0][1], ms, f16)
 
-    body = await compute.run(work)
+    if req.seq_len * len(req.layers) <= INLINE_ROWS and not compute.inflight:
+        # A decode hop (a row or a few, ~0.2 ms of products): computed here, in the event loop. Handing
+        # it to the compute thread and back costs two wake-ups, and on a busy machine each one waits for
+        # a core longer than the product takes. Only while the compute thread is idle: never two
+        # products at once.
+        body = work()
+    else:
+        body = await compute.run(work)
     return raw(body, content_type=wire.reply_content_type(f16))

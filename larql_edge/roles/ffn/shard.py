@@ -57,6 +57,9 @@ class Shard:
         t0 = time.perf_counter()
         # LocalFfn loads exactly the listed layers: nothing of any other layer is touched.
         self.ffn = LocalFfn(self.vx, self.spec, layers=list(self.range), backend=backend or get_backend())
+        for w in self.ffn.layers.values():  # ggml's repacked copies (Q4_K) now, not on the first hops
+            for m in (w.gate, w.up, w.down):
+                getattr(m, "repacked", None)
         self.load_seconds = time.perf_counter() - t0
         self.model = self.vx.model
         self.hidden = self.spec.hidden_size

@@ -137,7 +137,7 @@ def create_app(engine: BatchEngine, served: Served, limits: Limits, name: str = 
     itl = m.histogram("inter_token_latency_seconds", "Between two tokens of one sequence", buckets=ITL_BUCKETS)
     generated = m.counter("generated_tokens", "Tokens generated")
     prompt = m.counter("prompt_tokens", "Prompt tokens admitted")
-    drafted = m.counter("speculative_drafted_tokens", "Draft tokens verified (n-gram speculation)")
+    drafted = m.counter("speculative_drafted_tokens", "Draft tokens verified (n-gram or --draft model speculation)")
     accepted = m.counter("speculative_accepted_tokens", "Draft tokens accepted (each one a token without a pass of its own)")
     step_rows = m.histogram("step_positions", "Positions (rows) per batching step: prompt chunks, decoded tokens "
                             "and drafts of every sequence", buckets=STEP_ROWS_BUCKETS)
@@ -167,6 +167,8 @@ def create_app(engine: BatchEngine, served: Served, limits: Limits, name: str = 
             hop_metrics.record(hops.drain())
         while engine.step_local:
             hop_metrics.local.observe(engine.step_local.popleft())
+        while sched.step_draft:
+            hop_metrics.draft.observe(sched.step_draft.popleft())
         if hedger is not None:
             hop_metrics.hedged(hedger.sent, hedger.won)
 

@@ -55,6 +55,8 @@ def build_parser():
              "verified together in the step (same greedy tokens, same sampling distribution; k adapts per sequence, "
              "0 while drafts keep failing)")
     f.add("--spec-k", type=int, default=4, help=f"drafts per sequence per step at most (1..{MAX_SPEC_K})")
+    f.add("--draft", default=None, metavar="VINDEX", help="draft with this small full vindex run whole here, one KV "
+          "cache per sequence (same tokenizer as the served model; e.g. its q4k vindex) instead of n-gram lookup")
     f.add("--api-key", default=None, secret=True, metavar="KEY[,KEY2]",
           help="require Authorization: Bearer KEY on every route but /v1/health, /v1/ready, /metrics and "
                "/openapi.json; several keys: commas (or lines, in the file)")
@@ -113,6 +115,12 @@ def main(argv: list[str] | None = None) -> int:
         served = served_model(vx, vx.load_tokenizer(), context, args.chat_template, names)
         served.grid = {"ffn": args.ffn.split(","), "embed": (args.embed or args.ffn).split(","),
                        "layers": engine.spec.num_layers}
+        from larql_edge.model.speculative import Settings, open_draft
+
+        if args.draft and not args.speculate:
+            raise LarqlError("--draft drafts for speculative decoding: it cannot go with --no-speculate")
+        draft = open_draft(args.draft, served.tokenizer, engine.spec.vocab_size) if args.draft else None
+        speculation = Settings(enabled=args.speculate, max_k=args.spec_k, draft=draft, draft_name=args.draft)
     except LarqlError as e:
         print(f"larql-serve: error: {e}", file=sys.stderr)
         return e.exit_code
@@ -120,11 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     keys = parse_keys(args.api_key)
     log.info("larql-serve: %s, context %d, %d active + %d queued, chat template %s, speculation %s; grid %s; "
              "API keys: %d; listening on %s://%s:%d", served.model_id, context, limits.max_active, limits.max_queue,
-             "yes" if served.chat_template else "none", f"k<={args.spec_k}" if args.speculate else "off", args.ffn,
+             "yes" if served.chat_template else "none",
+             (f"k<={args.spec_k}" + (f", draft {args.draft}" if args.draft else "")) if args.speculate else "off", args.ffn,
              len(keys), "https" if tls.serving else "http", args.host, args.port)
-    from larql_edge.model.speculative import Settings
-
-    speculation = Settings(enabled=args.speculate, max_k=args.spec_k)
     serve(lambda: create_app(engine, served, limits, api_keys=keys, speculation=speculation), args.host, args.port,
           access_log=args.access_log, drain=args.drain_seconds, tls=tls)
     return 0

@@ -97,6 +97,11 @@ def openapi_spec(stats: dict | None = None) -> dict:
     paths["/detokenize"] = _simple("detokenize", "Token ids to text (content: llama.cpp's key; prompt: vLLM's)",
                                    "DetokenizeRequest", "Detokenized")
     paths.update(ops_paths("serve", ref("Ready"), ref("Stats"), "Loading"))
+    for ops in paths.values():  # every error of this server is OpenAI's envelope, the service routes' too
+        for op in ops.values():
+            for code, resp in op["responses"].items():
+                if resp.get("content", {}).get(JSON, {}).get("schema") == ref("Error"):
+                    op["responses"][code] = _err(resp["description"])
     # With --api-key, every route but these needs the key: the document says the key is optional ({}),
     # a deployment's (stats) says what that server does.
     security: list[dict] = [{"apiKey": []}] if stats and stats.get("api_keys") else [{}] if stats else [{}, {"apiKey": []}]

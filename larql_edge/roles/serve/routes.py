@@ -343,7 +343,8 @@ async def _run(request: Request, req: api.CompletionRequest | api.ChatCompletion
                   include_usage=stream and bool(req.stream_options and req.stream_options.include_usage),
                   echo=[e for e in echo or () for _ in range(n)], tool_plan=plan, tool_syntax=tool_syntax)
     loop, events = asyncio.get_running_loop(), asyncio.Queue[Event]()
-    groups = [[Seq(ids, p, loop, events, index=j * n + i, constraint=constraint and constraint.copy())
+    ends = plan.repeats if plan is not None and plan.choice == "required" else None
+    groups = [[Seq(ids, p, loop, events, index=j * n + i, constraint=constraint and constraint.copy(), ends=ends)
                for i in range(n)] for j, (ids, p) in
               enumerate(zip(prompts, params, strict=True))]
     seqs = [s for g in groups for s in g]

@@ -111,11 +111,14 @@ class Seq:
     _next = 0
 
     def __init__(self, prompt_ids: Sequence[int], params: Params, loop: asyncio.AbstractEventLoop,
-                 events: asyncio.Queue[Event] | None = None, index: int = 0, constraint: Any = None):
+                 events: asyncio.Queue[Event] | None = None, index: int = 0, constraint: Any = None,
+                 ends: Callable[[str], bool] | None = None):
         """``events``: a request's n sequences post to one queue, each event carrying its ``index``;
-        ``constraint``: its own `structured.Constraint` (never shared between sequences), or None."""
+        ``constraint``: its own `structured.Constraint` (never shared between sequences), or None;
+        ``ends``: says, of the text so far, that the reply is whole (a tool-call list that repeats a call)."""
         Seq._next += 1
         self.constraint = constraint  # a structured.Constraint, or None
+        self.ends = ends
         self.id = Seq._next
         self.index = index
         self.prompt = list(prompt_ids)
@@ -148,6 +151,7 @@ class Seq:
             pass
 
 
+SCORE_CAP = 1e300  # the largest adjusted score (see `adjust`)
 BAN = -100.0  # a logit_bias this low removes the token (OpenAI: "should result in a ban")
 
 
@@ -172,7 +176,10 @@ def adjust(ids: np.ndarray, logits: np.ndarray, p: Params, prompt: Sequence[int]
     if p.repetition_penalty != 1.0:
         seen = np.isin(ids, np.fromiter((*prompt, *generated), dtype=np.int64, count=len(prompt) + len(generated)))
         r = p.repetition_penalty
-        z = np.where(seen, np.where(z > 0, z / r, z * r), z)
+        # a tiny penalty (5e-324 is valid) would divide to +inf and a draw's z - max to NaN: cap the
+        # scores where temperature (>= 1e-3) cannot overflow them either
+        with np.errstate(over="ignore"):
+            z = np.where(seen, np.where(z > 0, np.minimum(z / r, SCORE_CAP), z * r), z)
     if (p.presence_penalty or p.frequency_penalty) and generated:
         uniq, counts = np.unique(np.asarray(generated, dtype=np.int64), return_counts=True)
         pos = np.minimum(np.searchsorted(uniq, ids), uniq.size - 1)
@@ -284,6 +291,7 @@ class Scheduler:
         self.last_step_ms = 0.0
         self.speculation = speculation or Settings(enabled=False)
         self.drafted_tokens = 0
+        self.step_draft: deque[float] = deque(maxlen=10000)  # a draft model's seconds per step (metrics drain it)
         self.accepted_tokens = 0
         self.full_rows = 0  # whole logits rows asked for (sampling controls the candidates could not decide)
         self.on_step: Callable[[int], None] = lambda rows: None  # rows (positions) of each step
@@ -397,7 +405,10 @@ class Scheduler:
         owners: list[Seq] = []
         drafts: list[list[int]] = []
         decoding = [s for s in batch if s.fed == len(s.prompt)]
+        t_draft = time.perf_counter()
         proposed = {s.id: self._drafts(s) for s in decoding}
+        if self.speculation.draft is not None and decoding:
+            self.step_draft.append(time.perf_counter() - t_draft)
         budget = max(1, self.step_tokens - sum(1 + len(d) for d in proposed.values()))
         for s in batch:
             assert s.cache is not None
@@ -541,6 +552,9 @@ class Scheduler:
         if self._release(s, final=False):
             self._finish(s, "stop")
         elif s.constraint is not None and s.constraint.complete:
+            self._release(s, final=True)
+            self._finish(s, "stop")
+        elif s.ends is not None and s.ends(self.tok.decode(s.generated, skip_special_tokens=True)):
             self._release(s, final=True)
             self._finish(s, "stop")
         elif len(s.generated) >= s.params.max_tokens or s.cache is None or s.cache.length + 1 > s.cache.context:

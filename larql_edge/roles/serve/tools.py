@@ -6,6 +6,13 @@
   does: a named function's reply is its arguments object, valid against the function's
   ``parameters``; ``required`` replies a JSON list of one or more ``{"name", "parameters"}`` calls,
   each name one of the tools and its parameters valid against that tool's schema.
+- A ``required`` reply ends at its first repeated call: a small model decoding greedily may list the
+  same calls over and over until ``max_tokens`` (Gemma 3 270M alternates two), and an identical call
+  (same name, same arguments) twice in one reply is never what an application wants. The sequence
+  stops once a call equal to an earlier one is whole (`ToolPlan.repeats`), the repeat is dropped, and
+  the reply is the calls before it, ``finish_reason: "tool_calls"``. At most `MAX_PARALLEL_CALLS`
+  calls per reply (the grammar's ``maxItems``) bound distinct calls too; ``parallel_tool_calls:
+  false``: one.
 - ``auto`` (the default with tools) parses the model's own tool-call syntax, where its chat template
   defines one (`syntax_of`): Hermes/Qwen 2.5 ``<tool_call>{...}</tool_call>``, Llama 3.1/3.2 JSON
   ``{"name": ..., "parameters": ...}``, Mistral ``[TOOL_CALLS][...]``. Other families answer text.
@@ -23,6 +30,7 @@ from typing import Any
 from larql_edge.errors import BadRequest
 
 MAX_TOOLS = 128  # OpenAI's limit
+MAX_PARALLEL_CALLS = 16  # calls in one `required` reply (OpenAI publishes none; vLLM has none)
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
@@ -59,9 +67,34 @@ class ToolPlan:
             calls = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]},
                                                        "parameters": self.parameters(t["function"]["name"])},
                       "required": ["name", "parameters"], "additionalProperties": False} for t in self.tools]
-            return {"type": "array", "minItems": 1, **({} if self.parallel else {"maxItems": 1}),
+            return {"type": "array", "minItems": 1, "maxItems": MAX_PARALLEL_CALLS if self.parallel else 1,
                     "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
         return None
+
+    def repeats(self, text: str) -> bool:
+        """A ``required`` reply's text so far ends a call equal to an earlier one: the reply is whole."""
+        if self.choice != "required":  # (a token may close a call and start the next: "}}, {" is one of Gemma's)
+            return False
+        items = _whole_items(text)
+        return len(items) > 1 and items[-1] in items[:-1]
+
+
+def _whole_items(text: str) -> list[Any]:
+    """The whole values at the start of a JSON array's text (what follows them may be cut short)."""
+    dec = json.JSONDecoder()
+    at = len(text) - len(text.lstrip())
+    if not text.startswith("[", at):
+        return []
+    at += 1
+    out = []
+    while True:
+        while at < len(text) and text[at] in " \t\r\n,":
+            at += 1
+        try:
+            value, at = dec.raw_decode(text, at)
+        except ValueError:
+            return out
+        out.append(value)
 
 
 def plan(tools: Any, tool_choice: Any, parallel_tool_calls: Any = None) -> ToolPlan | None:
@@ -121,11 +154,14 @@ def call(name: str, arguments: Any) -> dict[str, Any]:
 
 
 def forced_calls(p: ToolPlan, text: str) -> list[dict[str, Any]] | None:
-    """The calls of a grammar-forced reply; None when the text is not complete JSON (max_tokens cut it)."""
+    """The calls of a grammar-forced reply; None when the text is not complete JSON (max_tokens cut it).
+    A ``required`` reply that ended at a repeated call (`ToolPlan.repeats`) is the calls before it."""
     try:
         value = json.loads(text)
     except ValueError:
-        return None
+        if not p.repeats(text):
+            return None
+        value = _whole_items(text)[:-1]
     if p.choice == "function":
         assert p.function is not None
         return [call(p.function, text)]
