@@ -228,7 +228,8 @@ class Repacked:
     ALIGN = 8
 
     def __init__(self, buffer: int, base: int, extra: int, wtype: int, kcols: int, rows: int, row_bytes: int):
-        self.buffer, self.base, self.extra = buffer, base, extra
+        self.buffer: int | None = buffer
+        self.base, self.extra = base, extra
         self.wtype, self.kcols, self.rows, self.row_bytes = wtype, kcols, rows, row_bytes
 
     @classmethod
