@@ -425,7 +425,12 @@ class GraphEngine:
         pos = np.arange(start, end, dtype=np.int32)
         q_pos = pos[:, None]
         for w in self._kinds:
-            lo = 0 if w is None else max(0, start - w + 1)
+            # The first attended position is a multiple of _BUCKET: a key then sits at the same index
+            # modulo the SIMD step whatever rows come in the step, so ggml sums a row's softmax and
+            # softmax @ V in the same order (the extra masked positions add exact zeros). Started at
+            # the oldest key in the window, a sliding layer's row summed in another order in company:
+            # greedy speculation parted from plain decoding (issue 18).
+            lo = 0 if w is None else max(0, start - w + 1) // _BUCKET * _BUCKET
             n = _rounded(end - lo, cap)
             a = spans[w] = min(lo, cap - n)
             lens.append((w, n))
