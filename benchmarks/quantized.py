@@ -235,7 +235,8 @@ def main() -> int:
             logits_p50: dict[str, list[float]] = {k: [] for k in CONFIGS}
             for _ in range(3):  # interleaved, so noise hits every configuration alike
                 for k, r in embeds.items():
-                    logits_p50[k].append(median_ms(lambda r=r: c.request("POST", r.url + "/v1/logits", content=body, headers=hdr), n, warmup=3))
+                    logits_p50[k].append(median_ms(lambda r=r: c.request("POST", r.url + "/v1/logits", content=body,
+                                                                         headers=hdr), n, warmup=3))
             rng = np.random.default_rng(1)
             ids = rng.integers(0, vx.vocab_size, args.lookups)
             for r in embeds.values():
