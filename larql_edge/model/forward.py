@@ -283,7 +283,7 @@ class Transformer:
 
 # The one-graph step decodes token rows from the tied quantized table when the stored f16 embeddings
 # are exactly its image (llama.cpp's values; an embed server serves the f16 image).
-EXACT_TOKEN_ROWS = False
+EXACT_TOKEN_ROWS = True
 
 
 def _build_engine(m: Transformer):
