@@ -45,10 +45,13 @@ def models(real_quantized):
     return get
 
 
-# Measured 2026-12-02 (llama-cpp-python 0.3.36): 15 of 16 continuations equal llama.cpp's up to
-# near-ties; SmolLM2's 'Water boils at...' parts at token 9 where llama.cpp's margin is 0.175 (its
-# runner-up there is our token). Reported on issue 17, not hidden: strict, so a fix turns it red.
-KNOWN_PARTING = {("smollm2-135m", 4): "parts at token 9 at a 0.175 margin (llama.cpp's runner-up); issue 17"}
+# Measured 2026-12-02 (llama-cpp-python 0.3.36): 14 of 16 continuations equal llama.cpp's up to
+# near-ties; two part just above the 0.1 bound, each to llama.cpp's runner-up. Not bit-exact yet (see
+# DESIGN.md §4.1); reported on issue 17, not hidden: strict, so a fix turns them red.
+KNOWN_PARTING = {
+    ("gemma3-270m", 0): "parts at token 18 at a 0.116 margin (llama.cpp's runner-up); issue 17",
+    ("smollm2-135m", 4): "parts at token 9 at a 0.175 margin (llama.cpp's runner-up); issue 17",
+}
 
 
 @pytest.mark.slow
