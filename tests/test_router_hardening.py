@@ -248,7 +248,9 @@ def test_the_routers_own_overload_is_not_blamed_on_a_member():
 
     x = np.zeros((40, H), np.float32)  # 40 row-layers x 10 ms = 0.4 s of "compute" each, 2.4 s in all
     with _serial_member(0.010) as member, \
-            inproc.router(static_ffn=[(None, member.url)], upstream_timeout=0.2, upstream_ms_per_row=15.0) as router:
+            inproc.router(static_ffn=[(None, member.url)], upstream_timeout=0.2, upstream_ms_per_row=30.0) as router:
+        # 3x the member's 10 ms a row (a loaded host's overheads fit); the old rule still fails: its 4th
+        # request waits 1.6 s behind the others, past its own 0.2 + 40 x 0.03 = 1.4 s
         wait_grid(router.url, members=1)
         with ThreadPoolExecutor(6) as ex:
             codes = list(ex.map(lambda _: httpx.post(router.url + "/v1/walk-ffn", content=w.encode_request(1, x),
