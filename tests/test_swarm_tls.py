@@ -219,12 +219,21 @@ def test_swarm_stack_with_tls_generates_over_mutual_tls_and_refuses_strangers(tm
         assert models.status_code == 200, models.text[:500]
 
         # Prometheus scrapes every task over https with its own client certificate
-        def scraped() -> list | None:
-            targets = httpx.get(f"http://{swarm.manager.ip}:9091/api/v1/targets", timeout=5).json()
-            larql_t = [t for t in targets["data"]["activeTargets"] if t["labels"]["job"].startswith("larql-")]
-            return larql_t if len(larql_t) == 4 and all(t["health"] == "up" for t in larql_t) else None
+        want = {"larql-router": 1, "larql-embed": 1, "larql-ffn": 2, "larql-serve": 1}
+        prom = f"http://{swarm.manager.ip}:9091/api/v1/targets"
 
-        targets = sw.until("prometheus scraping every task over https", scraped, 120, 2.0)
+        def larql_targets() -> list[dict]:
+            return [t for t in httpx.get(prom, timeout=5).json()["data"]["activeTargets"]
+                    if t["labels"]["job"].startswith("larql-")]
+
+        def scraped() -> list | None:
+            up: dict[str, int] = {}
+            for t in (ts := larql_targets()):
+                up[t["labels"]["job"]] = up.get(t["labels"]["job"], 0) + (t["health"] == "up")
+            return ts if up == want else None
+
+        targets = sw.until("prometheus scraping every task over https", scraped, 120, 2.0, describe=lambda: str(
+            [(t["labels"]["job"], t["scrapeUrl"], t["health"], t["lastError"]) for t in larql_targets()]))
         assert all(t["scrapeUrl"].startswith("https://") for t in targets)
         timings["in all (swarm up to checks done)"] = time.monotonic() - t0
         sw.log("timings: " + ", ".join(f"{k} {v:.0f}s" for k, v in timings.items()))
