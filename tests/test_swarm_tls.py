@@ -47,7 +47,8 @@ GRID_NAME = "larql-grid"
 SPREAD_ROLES = ("router", "ffn", "embed")
 MANAGER_ROLES = ("edge", "prometheus", "serve")
 # One replica of everything on two nodes: what TLS changes is every hop, not the counts (those are
-# tests/test_swarm.py's); the two FFN ranges still land on both nodes (overlay traffic between hosts).
+# tests/test_swarm.py's). Where Swarm places the tasks varies; any hop between the two nodes crosses
+# the overlay network, TLS inside it as on one node.
 STACK_ENV = {
     "LARQL_FFN_REPLICAS": "1",
     "LARQL_ROUTER_REPLICAS": "1",
@@ -197,7 +198,9 @@ def test_swarm_stack_with_tls_generates_over_mutual_tls_and_refuses_strangers(tm
         # no plain HTTP on the router's port: the request gets no HTTP reply
         reply = _no_http_reply(router_node.ip, 9090)
         assert not reply.startswith(b"HTTP/"), reply[:200]
-        # mutual TLS: no client certificate, or another CA's, is refused in the handshake
+        # mutual TLS: with the grid's client certificate the router answers; with none, or another
+        # CA's, it refuses in the handshake
+        assert _get(router + "/v1/ready", ca, client).status_code == 200
         for cert in (None, stranger):
             with pytest.raises((httpx.ConnectError, httpx.ReadError, httpx.RemoteProtocolError)):
                 _get(router + "/v1/ready", ca, cert)
