@@ -12,7 +12,9 @@ it calls under the grid-wide name `larql-grid`. Then, from the host:
 - a plain-HTTP request to the router's published port gets no HTTP reply;
 - the router refuses a client with no certificate, or with one of another CA, in the handshake;
 - the edge (nginx, TLS both sides) serves an embed row, Prometheus scrapes every task over https,
-  and larql-serve answers over TLS.
+  and larql-serve answers over TLS;
+- deploy.sh --tls again replaces no task; after `larql-grid certs --renew` of the FFN certificate it
+  rolls the new secret out to the FFN tasks only, and the grid generates the same tokens.
 
 Needs root and a Docker engine with the larql-* images (like tests/test_swarm.py); skipped without
 them except under CI. A second swarm beside a running one: set LARQL_SWARM_PREFIX and
@@ -169,8 +171,10 @@ def test_swarm_stack_with_tls_generates_over_mutual_tls_and_refuses_strangers(tm
 
         def full() -> dict | None:
             v = _get(router + "/v1/grid", ca, client, timeout=5).json()
-            live = [m for m in v["members"] if m["capability"] == "ffn" and m["live"]]
-            ok = v["complete"] and v["embed"] >= 1 and len(live) == 2
+            live = {sw.member_task_id(m["url"]) for m in v["members"] if m["capability"] == "ffn" and m["live"]}
+            running = {t["ID"] for svc in ("ffn-a", "ffn-b") for t in swarm.tasks(f"{STACK}_{svc}")
+                       if t["CurrentState"].startswith("Running")}
+            ok = v["complete"] and v["embed"] >= 1 and live == running and len(running) == 2
             return v if ok and all(m["url"].startswith("https://") for m in v["members"]) else None
 
         t1 = time.monotonic()
@@ -238,6 +242,36 @@ def test_swarm_stack_with_tls_generates_over_mutual_tls_and_refuses_strangers(tm
         targets = sw.until("prometheus scraping every task over https", scraped, 120, 2.0, describe=lambda: str(
             [(t["labels"]["job"], t["scrapeUrl"], t["health"], t["lastError"]) for t in larql_targets()]))
         assert all(t["scrapeUrl"].startswith("https://") for t in targets)
+
+        # deploy.sh --tls again: nothing changed, no task replaced; then a renewed FFN certificate
+        # (a new secret, named by content) rolls out to the FFN tasks only, and the grid still answers
+        def task_ids() -> dict[str, list[str]]:
+            return {svc: sorted(t["ID"] for t in swarm.tasks(svc)) for svc in swarm.services(STACK)}
+
+        before = task_ids()
+        _deploy(swarm, tls_dir, "--no-push", "--wait", "300")
+        assert task_ids() == before
+        old_name = swarm.inspect_service(f"{STACK}_ffn-a")["Spec"]["TaskTemplate"]["ContainerSpec"]["Secrets"]
+        ffn_names = next(a for a in _certs_args() if a.startswith("ffn="))
+        assert grid_main(["certs", str(tls_dir), ffn_names, "--renew"]) == 0
+        t1 = time.monotonic()
+        _deploy(swarm, tls_dir, "--no-push", "--wait", "600")  # returns once the updates completed
+        timings["deploy.sh: renewed FFN certificate rolled out"] = time.monotonic() - t1
+        for svc in ("ffn-a", "ffn-b"):
+            assert swarm.inspect_service(f"{STACK}_{svc}")["UpdateStatus"]["State"] == "completed", svc
+        after = task_ids()
+        # the router's live FFN members are the new tasks (the old ones left the grid)
+        sw.until("the grid full of the renewed FFN tasks", full, 120, 1.0,
+                 describe=lambda: swarm.describe(STACK) + "\n" + _logs(swarm))
+        changed = {svc.removeprefix(f"{STACK}_") for svc in after if after[svc] != before[svc]}
+        assert changed == {"ffn-a", "ffn-b"}, changed
+        new_name = swarm.inspect_service(f"{STACK}_ffn-a")["Spec"]["TaskTemplate"]["ContainerSpec"]["Secrets"]
+        assert {x["SecretName"] for x in new_name} - {x["SecretName"] for x in old_name}, new_name
+        again = larql("generate", "--vindex", str(gemma_f16), "--ffn", router, "--tls-ca", str(ca),
+                      "--tls-server-name", GRID_NAME, "--tls-cert", str(client / "tls.crt"),
+                      "--tls-key", str(client / "tls.key"), "--prompt", PROMPT, "--max-tokens", str(N_TOKENS),
+                      "--json", "--timeout", "20", timeout=600)
+        assert again.returncode == 0 and dk.json_line(again.stdout)["generated_ids"] == local, again.stderr[-3000:]
         timings["in all (swarm up to checks done)"] = time.monotonic() - t0
         sw.log("timings: " + ", ".join(f"{k} {v:.0f}s" for k, v in timings.items()))
     finally:
