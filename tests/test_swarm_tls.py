@@ -14,7 +14,8 @@ it calls under the grid-wide name `larql-grid`. Then, from the host:
 - the edge (nginx, TLS both sides) serves an embed row, Prometheus scrapes every task over https,
   and larql-serve answers over TLS;
 - deploy.sh --tls again replaces no task; after `larql-grid certs --renew` of the FFN certificate it
-  rolls the new secret out to the FFN tasks only, and the grid generates the same tokens.
+  rolls the new secret out to the FFN tasks only, and the grid generates the same tokens; a broken
+  renewal (a certificate that is not its key's) is rolled back by Swarm and fails deploy.sh.
 
 Needs root and a Docker engine with the larql-* images (like tests/test_swarm.py); skipped without
 them except under CI. A second swarm beside a running one: set LARQL_SWARM_PREFIX and
@@ -96,13 +97,13 @@ def _no_http_reply(host: str, port: int) -> bytes:
             return b""
 
 
-def _deploy(swarm: sw.Swarm, tls_dir: Path, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
+def _deploy(swarm: sw.Swarm, tls_dir: Path, *args: str, timeout: float = 900, check: bool = True) -> subprocess.CompletedProcess:
     env = {**os.environ, **STACK_ENV, "LARQL_GRID_KEY": "swarm-tls-test-grid-key-51c0", "LARQL_IMAGE_TAG": dk.TAG}
     env.pop("DOCKER_HOST", None)
     r = subprocess.run(["bash", str(DEPLOY), "--manager", f"unix://{swarm.manager.sock}", "--stack", STACK,
                         "--tls", str(tls_dir), *args], capture_output=True, text=True, timeout=timeout, env=env,
                        stdin=subprocess.DEVNULL)
-    if r.returncode != 0:
+    if check and r.returncode != 0:
         raise AssertionError(f"deploy.sh --tls failed ({r.returncode}):\n{r.stdout[-4000:]}\n{r.stderr[-6000:]}\n"
                              f"{swarm.describe(STACK)}\n{_logs(swarm)}")
     return r
@@ -272,6 +273,25 @@ def test_swarm_stack_with_tls_generates_over_mutual_tls_and_refuses_strangers(tm
                       "--tls-key", str(client / "tls.key"), "--prompt", PROMPT, "--max-tokens", str(N_TOKENS),
                       "--json", "--timeout", "20", timeout=600)
         assert again.returncode == 0 and dk.json_line(again.stdout)["generated_ids"] == local, again.stderr[-3000:]
+
+        # a renewal gone wrong (a certificate that is not its key's): the new FFN tasks cannot start,
+        # Swarm rolls them back, deploy.sh fails saying so, and the grid keeps the working tasks
+        import shutil
+
+        bad = tmp_path / "tls-bad"
+        shutil.copytree(tls_dir, bad)
+        assert grid_main(["certs", str(other), ffn_names]) == 0
+        shutil.copy(other / "ffn" / "tls.crt", bad / "ffn" / "tls.crt")
+        t1 = time.monotonic()
+        r = _deploy(swarm, bad, "--no-push", "--wait", "300", check=False)
+        timings["deploy.sh: a broken renewal rolled back"] = time.monotonic() - t1
+        assert r.returncode != 0 and "failed: rollback" in r.stderr, (r.returncode, r.stderr[-3000:])
+        sw.until("both FFN services rolled back", lambda: all(
+            (swarm.inspect_service(f"{STACK}_{svc}").get("UpdateStatus") or {}).get("State") == "rollback_completed"
+            for svc in ("ffn-a", "ffn-b")), 240, 1.0, describe=lambda: swarm.describe(STACK))
+        sw.until("the grid full after the rollback", full, 120, 1.0,
+                 describe=lambda: swarm.describe(STACK) + "\n" + _logs(swarm))
+        assert task_ids()[f"{STACK}_router"] == after[f"{STACK}_router"]
         timings["in all (swarm up to checks done)"] = time.monotonic() - t0
         sw.log("timings: " + ", ".join(f"{k} {v:.0f}s" for k, v in timings.items()))
     finally:
