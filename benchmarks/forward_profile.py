@@ -125,7 +125,9 @@ def main() -> int:
     print(f"{args.model} {args.quant}, {args.threads} thread(s), load average {os.getloadavg()[0]:.1f}; medians, ms per token")
     print(f"  whole step (next_logits)              {step:7.2f}   {1e3 / step:5.1f} tok/s")
     print(f"  graph compute                         {comp:7.2f}   ({eng._graphs and next(reversed(eng._graphs.values())).n_nodes} nodes)")
-    print(f"    head (final norm + lm_head {m.head.weight.fmt} {m.head.weight.shape[0]}x{m.head.weight.shape[1]})  {comp - lay:7.2f}   (lm_head product alone {head_ms:.2f})")
+    hw = m.head.weight
+    print(f"    head (final norm + lm_head {hw.fmt} {hw.shape[0]}x{hw.shape[1]})  {comp - lay:7.2f}   "
+          f"(lm_head product alone {head_ms:.2f})")
     print(f"    {n} layers                            {lay:7.2f}   ({lay / n * 1e3:.0f} us per layer)")
     print(f"      weight products (alone, summed)   {prods:7.2f}   " + ", ".join(f"{k} {v:.2f}" for k, v in per_kind.items()))
     print(f"      attention, norms, RoPE, GLU, adds {lay - prods:7.2f}   ({(lay - prods) / n * 1e3:.0f} us per layer)")

@@ -50,16 +50,21 @@ def test_tied_model_has_no_lm_head_file(tiny_models):
     assert Vindex.open(tiny_models["llama"]).has("lm_head.bin")
 
 
-@pytest.mark.parametrize("backend", ["compact", "numpy"])
+@pytest.mark.parametrize("backend", ["compact", "numpy", "graph"])
 @pytest.mark.parametrize("family", ["gemma3", "llama"])
 def test_a_rows_floats_do_not_depend_on_the_rows_that_come_with_it(tiny_models, family, backend):
     """Issue 18: greedy speculation parted from plain decoding on SmolLM2 at a near-tie: a pass of k + 1
     rows gave slightly other floats than k + 1 passes of one row (attention summed over the pass's
     masked keys; BLAS sums a row in another order when rows come together). Bit for bit now, on a
-    cache rolled back as speculation does (its sliding window kept with slack), on both backends."""
+    cache rolled back as speculation does (its sliding window kept with slack), on both backends and
+    on the one-graph step."""
     from larql_edge.model.backend import get_backend
 
-    m = Transformer.local(tiny_models[family], backend=get_backend(backend))
+    if backend == "graph":  # the one-ggml-graph step (its own masked attention over bucketed lengths)
+        m = Transformer.local(tiny_models[family], backend=get_backend("compact"), graph=True)
+        assert m.engine() is not None
+    else:
+        m = Transformer.local(tiny_models[family], backend=get_backend(backend), graph=False)
     ids = np.random.default_rng(7).integers(3, 40, 40).tolist()  # keys enough for numpy's pairwise sums
     one = m.new_cache()
     m.forward(ids[:30], one)

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from larql_edge.model import graph as G
+from larql_edge.model import speculative as sp
 from larql_edge.model.backend import get_backend
 from larql_edge.model.forward import KVCache, Transformer
 from larql_edge.model.graph import GraphCache
-from larql_edge.model import speculative as sp
 from larql_edge.tools.slicer.extract import extract
 from tests.tinygguf import hf_to_gguf
 from tests.tinymodel import make_tiny_model

@@ -59,7 +59,7 @@ def test_in_place_softcap_and_log_normaliser_equal_the_plain_arithmetic():
     head.backend = NumpyBackend()
     head.weight = (rng.standard_normal((70001, 64)) * 3).astype(np.float32)
     h = rng.standard_normal((3, 64)).astype(np.float32) * 4
-    want = ops.softcap(ops.rms_norm(h, head.norm, 1e-6, 1.0) @ head.weight.T, 30.0)
+    want = ops.softcap(head.backend.linear(ops.rms_norm(h, head.norm, 1e-6, 1.0), head.weight), 30.0)
     got = head.logits(h)
     np.testing.assert_array_equal(got, want)
     for row in list(got) + [got[0, :5], got[1].astype(np.float64)]:

@@ -5,7 +5,6 @@ distribution, by a chi-square test against the plain model's probabilities compu
 from __future__ import annotations
 
 import json
-
 import math
 from statistics import NormalDist
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -283,7 +283,7 @@ class Transformer:
 
 # The one-graph step decodes token rows from the tied quantized table when the stored f16 embeddings
 # are exactly its image (llama.cpp's values; an embed server serves the f16 image).
-EXACT_TOKEN_ROWS = False
+EXACT_TOKEN_ROWS = True
 
 
 def _build_engine(m: Transformer):
@@ -296,12 +296,12 @@ def _build_engine(m: Transformer):
     from larql_edge.model.graph import GraphEngine, graphable
 
     s = m.spec
-    ffn = None  # a remote FFN (the grid's client): one attention-only graph per layer
+    ffn: list[Any] | None = None  # a remote FFN (the grid's client): one attention-only graph per layer
     if isinstance(m.ffn_provider, LocalFfn):
         ffn = [m.ffn_provider.layers.get(i) for i in range(s.num_layers)]
         if any(f is None for f in ffn):
             ffn = None
-    mats = [x for a in m.attn for x in (a.q, a.k, a.v, a.o)]
+    mats: list[Any] = [x for a in m.attn for x in (a.q, a.k, a.v, a.o)]
     mats += [x for f in ffn or [] for x in (f.gate, f.up, f.down)]
     if not all(graphable(x) for x in mats):
         return None
@@ -309,13 +309,15 @@ def _build_engine(m: Transformer):
         return None  # float32 weights: the exact BLAS path is the reference and no slower here
     head = m.head if isinstance(m.head, LocalHead) and graphable(m.head.weight) else None
     embed = None
-    if EXACT_TOKEN_ROWS and head is not None and head.tied and head.weight.fmt not in ("f16", "f32") and isinstance(m.embedder, LocalEmbed):
+    if (EXACT_TOKEN_ROWS and head is not None and head.tied and getattr(head.weight, "fmt", "f32") not in ("f16", "f32")
+            and isinstance(m.embedder, LocalEmbed)):
         # The GGUF's own token table (e.g. Q8_0) when the stored f16 embeddings are exactly its image:
         # llama.cpp decodes token rows from it in float32, which f16 would round.
         probe = np.linspace(0, head.vocab - 1, 64).astype(np.int64)
         if np.array_equal(head.weight.rows(probe).astype(np.float16), np.asarray(m.embedder.table[probe], np.float16)):
             embed = head.weight
-    return GraphEngine(s, m.attn, ffn, head.weight if head else None, head.norm if head else None,
+    hw: Any = head.weight if head else None
+    return GraphEngine(s, m.attn, ffn, hw, head.norm if head else None,
                        kv_dtype=np.float32 if mode == "on" and all(x.fmt == "f32" for x in mats) else np.float16,
                        embed_matrix=embed)
 

@@ -26,7 +26,7 @@ import ctypes as C
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -67,8 +67,8 @@ class GraphCache:
         cap = max(_FIRST_CAPACITY, self.capacity)
         while cap < n:
             cap *= 2
-        k = [np.zeros((self.kv_heads, cap, self.head_dim), self.dtype) for _ in range(self.num_layers)]
-        v = [np.zeros((self.kv_heads * self.head_dim, cap), self.dtype) for _ in range(self.num_layers)]
+        k: list[np.ndarray] = [np.zeros((self.kv_heads, cap, self.head_dim), self.dtype) for _ in range(self.num_layers)]
+        v: list[np.ndarray] = [np.zeros((self.kv_heads * self.head_dim, cap), self.dtype) for _ in range(self.num_layers)]
         for i in range(len(self.k)):
             k[i][:, : self.length] = self.k[i][:, : self.length]
             v[i][:, : self.length] = self.v[i][:, : self.length]
@@ -132,7 +132,8 @@ class _Step:
         ctx = self._ctx = b.ggml_init(_ggml._InitParams(mem, self._mem.ctypes.data, True))
         if not ctx:
             raise _ggml.KernelError("ggml_init failed")
-        keep = self._keep = []  # numpy buffers some tensor points into
+        keep: list[np.ndarray] = []  # numpy buffers some tensor points into
+        self._keep = keep
 
         def leaf(arr: np.ndarray, t):
             t.contents.data = arr.ctypes.data
@@ -215,7 +216,7 @@ class _Step:
             if s.final_logit_softcapping:
                 c = float(s.final_logit_softcapping)
                 y = b.ggml_scale(ctx, b.ggml_tanh(ctx, b.ggml_scale(ctx, y, 1.0 / c)), c)
-            self.out = np.zeros(eng.lm_head.shape[0], np.float32)
+            self.out = np.zeros(eng.spec.vocab_size if eng.lm_head is None else eng.lm_head.shape[0], np.float32)
         else:
             y = cur
             self.out = np.zeros((seq, hid), np.float32)
@@ -303,7 +304,7 @@ class GraphEngine:
         self._layer_kind = [spec.sliding_window if spec.is_sliding(i) else None for i in range(spec.num_layers)]
         self._kinds = sorted(set(self._layer_kind), key=lambda w: w or 0)
         self._lock = threading.Lock()
-        self._wmem = None
+        self._wmem: np.ndarray | None = None
         self._wctx = None
 
     # -- graph building helpers (called by _Step) -----------------------------------------------
@@ -333,7 +334,7 @@ class GraphEngine:
             t = self._weights[id(m)] = (w, data, m)
         return t[0]
 
-    def mm(self, ctx, m: CompactMatrix, x):
+    def mm(self, ctx, m: Any, x):
         b = _ggml.lib().base
         w = self._weight(m)
         pad = w.contents.ne[0] - x.contents.ne[0]
@@ -341,7 +342,7 @@ class GraphEngine:
             x = b.ggml_pad(ctx, x, pad, 0, 0, 0)
         return b.ggml_mul_mat(ctx, w, x)
 
-    def norm(self, ctx, x, w: np.ndarray, eps: float | None = None):
+    def norm(self, ctx, x, w: Any, eps: float | None = None):
         b = _ggml.lib().base
         t = self._vec(w)
         return b.ggml_mul(ctx, b.ggml_rms_norm(ctx, x, float(self.spec.rms_norm_eps if eps is None else eps)), t)
@@ -425,7 +426,12 @@ class GraphEngine:
         pos = np.arange(start, end, dtype=np.int32)
         q_pos = pos[:, None]
         for w in self._kinds:
-            lo = 0 if w is None else max(0, start - w + 1)
+            # The first attended position is a multiple of _BUCKET: a key then sits at the same index
+            # modulo the SIMD step whatever rows come in the step, so ggml sums a row's softmax and
+            # softmax @ V in the same order (the extra masked positions add exact zeros). Started at
+            # the oldest key in the window, a sliding layer's row summed in another order in company:
+            # greedy speculation parted from plain decoding (issue 18).
+            lo = 0 if w is None else max(0, start - w + 1) // _BUCKET * _BUCKET
             n = _rounded(end - lo, cap)
             a = spans[w] = min(lo, cap - n)
             lens.append((w, n))

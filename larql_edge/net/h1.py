@@ -7,8 +7,7 @@ from __future__ import annotations
 import json as jsonlib
 from dataclasses import dataclass
 
-from larql_edge.errors import (ConnectFailed, ConnectionLost, MalformedReply, ReplyTooLarge, Stalled, Superseded, TimedOut,
-                               TransportError)
+from larql_edge.errors import ConnectFailed, ConnectionLost, MalformedReply, ReplyTooLarge, Stalled, Superseded, TimedOut, TransportError
 
 __all__ = ["ConnectFailed", "ConnectionLost", "DEFAULT_MAX_BODY", "MalformedReply", "Reply", "ReplyTooLarge", "Stalled",
            "Superseded", "TimedOut", "TransportError", "describe", "error_text"]

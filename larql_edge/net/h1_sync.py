@@ -106,7 +106,7 @@ class _Connection(http.client.HTTPConnection):
     def start(self, timeout: float, deadline: float, waiter: Waiter | None) -> None:
         sock = self.sock
         assert isinstance(sock, _Deadline)  # connect() made it one
-        sock.settimeout(timeout)  # sending
+        sock.settimeout(timeout)  # type: ignore[attr-defined]  # sending (a socket: _Deadline is its mixin)
         sock.deadline = deadline  # receiving
         sock.waiter = waiter
 

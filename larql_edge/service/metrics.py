@@ -291,7 +291,8 @@ HOP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
 class HopMetrics:
     """``larql_<role>_hop_compute_seconds{tier}`` (what the server said it spent: Server-Timing),
     ``..._hop_network_seconds{tier}`` (the rest of the hop's wall time), ``..._local_seconds`` (attention
-    here, per token or step), ``..._draft_seconds`` (a draft model's, with --draft) and ``..._hedges_total{outcome}``: the split of a token's time that shows
+    here, per token or step), ``..._draft_seconds`` (a draft model's, with --draft) and
+    ``..._hedges_total{outcome}``: the split of a token's time that shows
     which hop is slow. Shared by the client (``larql generate --metrics-file``) and larql-serve."""
 
     def __init__(self, metrics: Metrics):

@@ -153,17 +153,17 @@ class _Lib:
         """The ops a whole decode step is built from (`larql_edge.model.graph`), ggml's allocator and
         its persistent thread pool."""
         b, c = self.base, self.cpu
-        V, I64, F, I = C.c_void_p, C.c_int64, C.c_float, C.c_int
+        V, I64, F, INT = C.c_void_p, C.c_int64, C.c_float, C.c_int
         sig = {
-            "ggml_new_tensor_1d": [V, I, I64], "ggml_new_tensor_3d": [V, I, I64, I64, I64],
+            "ggml_new_tensor_1d": [V, INT, I64], "ggml_new_tensor_3d": [V, INT, I64, I64, I64],
             "ggml_add": [V, _TP, _TP], "ggml_mul": [V, _TP, _TP], "ggml_rms_norm": [V, _TP, F],
-            "ggml_rope_ext": [V, _TP, _TP, _TP, I, I, I, F, F, F, F, F, F],
+            "ggml_rope_ext": [V, _TP, _TP, _TP, INT, INT, INT, F, F, F, F, F, F],
             "ggml_soft_max_ext": [V, _TP, _TP, F, F], "ggml_geglu_split": [V, _TP, _TP],
             "ggml_swiglu_split": [V, _TP, _TP], "ggml_scale": [V, _TP, F], "ggml_tanh": [V, _TP],
             "ggml_cpy": [V, _TP, _TP], "ggml_cont_2d": [V, _TP, I64, I64], "ggml_reshape_3d": [V, _TP, I64, I64, I64],
             "ggml_view_2d": [V, _TP, I64, I64, C.c_size_t, C.c_size_t],
             "ggml_view_3d": [V, _TP, I64, I64, I64, C.c_size_t, C.c_size_t, C.c_size_t],
-            "ggml_permute": [V, _TP, I, I, I, I], "ggml_transpose": [V, _TP], "ggml_pad": [V, _TP, I, I, I, I],
+            "ggml_permute": [V, _TP, INT, INT, INT, INT], "ggml_transpose": [V, _TP], "ggml_pad": [V, _TP, INT, INT, INT, INT],
         }
         for name, args in sig.items():
             f = getattr(b, name)
@@ -228,7 +228,8 @@ class Repacked:
     ALIGN = 8
 
     def __init__(self, buffer: int, base: int, extra: int, wtype: int, kcols: int, rows: int, row_bytes: int):
-        self.buffer, self.base, self.extra = buffer, base, extra
+        self.buffer: int | None = buffer
+        self.base, self.extra = base, extra
         self.wtype, self.kcols, self.rows, self.row_bytes = wtype, kcols, rows, row_bytes
 
     @classmethod

@@ -218,7 +218,7 @@ def _release_pages(a: np.ndarray) -> None:
     the page cache if ever touched again): a repacked matrix would otherwise count twice in RSS."""
     import mmap
 
-    base = a
+    base: object = a
     while base is not None and not isinstance(base, np.memmap):
         base = getattr(base, "base", None)
         if isinstance(base, mmap.mmap):

@@ -15,7 +15,7 @@ import time
 
 from larql_edge.config import Flags
 from larql_edge.console import run_command
-from larql_edge.errors import LarqlError, VindexError
+from larql_edge.errors import LarqlError
 from larql_edge.roles.client._build import add_model_flags, build_model
 from larql_edge.roles.client._stream import TextStream
 from larql_edge.roles.client._timings import TokenTime, report

@@ -78,7 +78,8 @@ def create_app(registry: Registry, grid_key: str, limits: Limits | None = None, 
         return {"mode": "router", "model": v["model"], "num_layers": v["num_layers"], "layers": v["num_layers"],
                 "hidden_size": v["hidden_size"], **v["facts"],
                 "members": len(v["members"]), "gaps": v["gaps"], "complete": v["complete"],
-                "inflight": upstream.inflight, "slow_replies": upstream.slow, "memory_mb": round(rss_bytes() / 2**20, 1), "limits": limits.as_json()}
+                "inflight": upstream.inflight, "slow_replies": upstream.slow, "memory_mb": round(rss_bytes() / 2**20, 1),
+                "limits": limits.as_json()}
 
     def ready() -> dict:
         # Ready = accepting joins and requests. Whether every layer is served is /v1/grid's

@@ -487,7 +487,7 @@ class Scheduler:
         room = min(p.max_tokens - len(s.generated) - 1, s.cache.context - s.cache.length - 1)
         return s.speculator.propose(s.prompt + s.generated, room) if room > 0 else []
 
-    def _verify(self, s: Seq, d: list[int], rows_top: list[tuple[np.ndarray, np.ndarray]], start: int) -> None:
+    def _verify(self, s: Seq, d: list[int], rows_top: Sequence[tuple[np.ndarray, np.ndarray]], start: int) -> None:
         assert s.speculator is not None and s.cache is not None
         kept, nxt = s.speculator.verify(d, rows_top, s.params.temperature, s.params.top_p, s.rng)
         s.cache.truncate(start + 1 + kept)  # the last decided token and the kept drafts stay

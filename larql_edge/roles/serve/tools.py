@@ -86,7 +86,7 @@ def _whole_items(text: str) -> list[Any]:
     if not text.startswith("[", at):
         return []
     at += 1
-    out = []
+    out: list[Any] = []
     while True:
         while at < len(text) and text[at] in " \t\r\n,":
             at += 1
