@@ -12,7 +12,8 @@
 #   3. with --tls DIR: the grid's certificates become Swarm secrets (larql-grid.tls.yaml)
 #   4. `docker stack deploy --resolve-image never` (no registry lookups at deploy time: each node
 #      pulls REGISTRY/larql-<role>:AS when a task lands on it), then waits until every service has
-#      its replicas running and healthy (bounded by --wait)
+#      its replicas running and healthy and no update under way (bounded by --wait; an update this
+#      run started that ends rolled back or paused: exit 1)
 #
 # Idempotent: a rerun pushes nothing new, keeps the secret, and changes no service whose spec did
 # not change. A rebuilt image under the SAME tag is not rolled out (Swarm compares the image
@@ -207,13 +208,37 @@ fi
 # Swarm configs are immutable: name the Prometheus config by its content, so an edit deploys.
 sum=$(sha256sum "$PROM_CONFIG" | cut -c1-12)
 export LARQL_PROMETHEUS_CONFIG="${STACK}_prometheus_$sum"
+DEPLOYED_AT=$(date +%s)
 run dm stack deploy --resolve-image never --detach=true -c "$HERE/larql-grid.yaml" "${EXTRA[@]}" "$STACK" >&2
 log "stack $STACK deployed (images ${LARQL_IMAGE_PREFIX}larql-<role>:$LARQL_TAG)"
 [[ $DRY == 0 && $WAIT -gt 0 ]] || exit 0
 
+# Converged: every service has its replicas running (healthy) AND no update is under way. A changed
+# service (a new image, a renewed certificate) is updated start-first: its old task keeps running, so
+# the replica count alone reads n/n before the new task has even started. An update this run started
+# that ended rolled back or paused is a failed deploy (an older one, e.g. a past rollback, is not).
+update_states() {
+  local names
+  names=$(dm stack services "$STACK" --format '{{.Name}}')
+  [[ -n $names ]] || return 0
+  # shellcheck disable=SC2086
+  dm service inspect --format '{{.Spec.Name}} {{with .UpdateStatus}}{{.State}} {{with .StartedAt}}{{.Unix}}{{end}}{{end}}' $names
+}
 deadline=$(( $(date +%s) + WAIT ))
 while :; do
   pending=$(dm stack services "$STACK" --format '{{.Name}} {{.Replicas}}' | awk '{split($2, r, "/"); sub(/ .*/, "", r[2]); if (r[1] != r[2]) print $1 " " $2}')
+  while read -r name state started; do
+    case $state in
+      updating|rollback_started) pending+="${pending:+$'\n'}$name $state" ;;
+      rollback_completed|rollback_paused|paused)
+        if [[ ${started:-0} -ge $DEPLOYED_AT ]]; then
+          log "the update of $name failed: $state"
+          dm service inspect --format '  {{with .UpdateStatus}}{{.Message}}{{end}}' "$name" >&2
+          dm service ps --no-trunc --format '  {{.Name}} {{.Node}} {{.CurrentState}} {{.Error}}' "$name" | head -n 6 >&2
+          exit 1
+        fi ;;
+    esac
+  done < <(update_states)
   [[ -z $pending ]] && break
   if (( $(date +%s) > deadline )); then
     log "not converged after ${WAIT}s:"; echo "$pending" >&2
