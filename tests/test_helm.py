@@ -169,24 +169,30 @@ def test_helm_lint_is_clean(tools, name):
     assert "[WARNING]" not in out and "[ERROR]" not in out, out
 
 
-@pytest.mark.parametrize("kube_version", K8S_VERSIONS)
-@pytest.mark.parametrize("name", VALUE_SETS)
-def test_every_object_passes_strict_kubernetes_schema(tools, name, kube_version):
+def validate_strict(objs: list[dict], kube_version: str) -> list[dict]:
+    """Every object against kubernetes-validate's strict schema for ``kube_version`` (one readable
+    failure listing them all); returns the objects it has no schema for (custom resources)."""
     import kubernetes_validate
     from kubernetes_validate.utils import SchemaNotFoundError
 
-    objs = render(tools, VALUE_SETS[name], kube_version=kube_version)
-    assert objs
     failures, custom = [], []
     for obj in objs:
         try:
             kubernetes_validate.validate(obj, kube_version, strict=True)
         except SchemaNotFoundError:
-            # Only the Prometheus Operator's CRD has no schema in kubernetes-validate.
             custom.append(obj)
         except Exception as e:  # ValidationError: collect them all for one readable failure
             failures.append(f"{obj['kind']}/{obj['metadata']['name']}: {e}")
     assert not failures, "\n".join(failures)
+    return custom
+
+
+@pytest.mark.parametrize("kube_version", K8S_VERSIONS)
+@pytest.mark.parametrize("name", VALUE_SETS)
+def test_every_object_passes_strict_kubernetes_schema(tools, name, kube_version):
+    objs = render(tools, VALUE_SETS[name], kube_version=kube_version)
+    assert objs
+    custom = validate_strict(objs, kube_version)  # only the Prometheus Operator's CRD has no schema there
     assert {(o["apiVersion"], o["kind"]) for o in custom} <= {("monitoring.coreos.com/v1", "ServiceMonitor")}
 
 

@@ -37,6 +37,7 @@ import pytest
 from larql_edge.tools.grid.cli import main as grid_main
 from tests import _docker as dk
 from tests import _swarm as sw
+from tests.test_tls_deploy import _swarm_certs_command
 
 pytestmark = [pytest.mark.docker, pytest.mark.slow, pytest.mark.under_load, pytest.mark.timeout(2400)]
 
@@ -62,14 +63,7 @@ STACK_ENV = {
 
 def _certs_args() -> list[str]:
     """The `larql-grid certs` line of the overlay's header, after `larql-grid certs DIR`."""
-    text = OVERLAY.read_text()
-    start = text.index("#   larql-grid certs DIR ")
-    lines = []
-    for line in text[start:].splitlines():
-        lines.append(line.lstrip("#").strip().rstrip("\\").strip())
-        if not line.rstrip().endswith("\\"):
-            break
-    args = " ".join(lines).split()[2:]
+    args = _swarm_certs_command()
     assert args[0] == "DIR", args
     return args[1:]
 

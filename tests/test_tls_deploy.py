@@ -423,7 +423,17 @@ def test_docker_compose_tls_grid_generates_and_refuses_plain_http(tmp_path, gemm
 
 # ---- the Helm chart with TLS on (rendered, linted, schema-checked: no cluster runs here) -------------
 
-from tests.test_helm import CHART, K8S_VERSIONS, NAMESPACE, helm, of_kind, render, template, tools  # noqa: E402,F401
+from tests.test_helm import (  # noqa: E402,F401
+    CHART,
+    K8S_VERSIONS,
+    NAMESPACE,
+    helm,
+    of_kind,
+    render,
+    template,
+    tools,
+    validate_strict,
+)
 
 TLS_VALUES = {"tls": {"enabled": True, "certManager": {"enabled": True}},
               "metrics": {"serviceMonitor": {"enabled": True}}}
@@ -447,19 +457,8 @@ def test_helm_tls_render_passes_strict_schemas_and_lint(tools, kube_version, tmp
     """Every object of the TLS render passes kubernetes-validate --strict, except cert-manager's and
     the Prometheus Operator's custom resources (no schema there; their fields are checked below), and
     `helm lint --strict` with the TLS values is clean."""
-    import kubernetes_validate
-    from kubernetes_validate.utils import SchemaNotFoundError
-
     objs = render(tools, values=TLS_VALUES, kube_version=kube_version)
-    failures, custom = [], []
-    for obj in objs:
-        try:
-            kubernetes_validate.validate(obj, kube_version, strict=True)
-        except SchemaNotFoundError:
-            custom.append(obj)
-        except Exception as e:
-            failures.append(f"{obj['kind']}/{obj['metadata']['name']}: {e}")
-    assert not failures, "\n".join(failures)
+    custom = validate_strict(objs, kube_version)
     assert {(o["apiVersion"], o["kind"]) for o in custom} == {
         ("monitoring.coreos.com/v1", "ServiceMonitor"), ("cert-manager.io/v1", "Certificate"), ("cert-manager.io/v1", "Issuer")}
     # cert-manager v1 Certificate fields (its CRD's names: no schema for it in kubernetes-validate)
