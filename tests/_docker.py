@@ -275,3 +275,17 @@ def json_line(text: str) -> dict:
             except ValueError:
                 continue
     raise AssertionError(f"no JSON object in output:\n{text[-3000:]}")
+
+
+def larql_scrape_targets(prometheus_url: str, count: int, timeout: float) -> list[dict]:
+    """Prometheus's active ``larql-*`` targets once ``count`` of them are up (within ``timeout`` s)."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while True:
+        targets = httpx.get(f"{prometheus_url}/api/v1/targets", timeout=5).json()
+        larql = [t for t in targets["data"]["activeTargets"] if t["labels"]["job"].startswith("larql-")]
+        if len(larql) == count and all(t["health"] == "up" for t in larql):
+            return larql
+        assert time.monotonic() < deadline, [(t["scrapeUrl"], t["health"], t["lastError"]) for t in larql]
+        time.sleep(2)

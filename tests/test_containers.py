@@ -348,14 +348,7 @@ def test_docker_compose_up_grid(images, reference, tmp_path):
             assert httpx.get(f"{host}:{ports['LARQL_ROUTER_PUBLISH']}/v1/ready", timeout=5).json()["complete"]
             r = httpx.get(f"{host}:{ports['LARQL_EDGE_PUBLISH']}/v1/embed/{reference['top1']}", timeout=10)
             assert r.status_code == 200 and len(r.content) == 640 * 4
-            deadline = time.monotonic() + 60
-            while True:
-                targets = httpx.get(f"{host}:{ports['LARQL_PROMETHEUS_PUBLISH']}/api/v1/targets", timeout=5).json()
-                larql = [t for t in targets["data"]["activeTargets"] if t["labels"]["job"].startswith("larql-")]
-                if len(larql) == 4 and all(t["health"] == "up" for t in larql):
-                    break
-                assert time.monotonic() < deadline, [(t["scrapeUrl"], t["health"], t["lastError"]) for t in larql]
-                time.sleep(2)
+            larql = dk.larql_scrape_targets(f"{host}:{ports['LARQL_PROMETHEUS_PUBLISH']}", 4, timeout=60)
             assert {t["labels"]["job"] for t in larql} == {"larql-embed", "larql-ffn", "larql-router"}
             print(f"\n[containers] docker compose up grid: healthy in {up_s:.0f}s")
 

@@ -397,14 +397,7 @@ def test_docker_compose_tls_grid_generates_and_refuses_plain_http(tmp_path, gemm
                 httpx.get(router + "/v1/ready", verify=ctx(cert), timeout=10)
 
         # Prometheus scrapes every role over https with its client certificate
-        deadline = time.monotonic() + 90
-        while True:
-            targets = httpx.get(f"http://127.0.0.1:{ports['LARQL_PROMETHEUS_PUBLISH']}/api/v1/targets", timeout=5).json()
-            larql = [t for t in targets["data"]["activeTargets"] if t["labels"]["job"].startswith("larql-")]
-            if len(larql) == 4 and all(t["health"] == "up" for t in larql):
-                break
-            assert time.monotonic() < deadline, [(t["scrapeUrl"], t["health"], t["lastError"]) for t in larql]
-            time.sleep(2)
+        larql = dk.larql_scrape_targets(f"http://127.0.0.1:{ports['LARQL_PROMETHEUS_PUBLISH']}", 4, timeout=90)
         assert all(t["scrapeUrl"].startswith("https://") for t in larql)
         print(f"\n[tls-compose] healthy in {up_s:.0f}s; client generate: {res['text']!r}")
     finally:
