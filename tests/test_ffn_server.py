@@ -193,10 +193,22 @@ def test_stats_health_ready_metrics(shard):
     assert s["num_layers"] == 2 and s["vindex_hash"] and s["memory_mb"] > 0
     assert httpx.get(shard.url + "/v1/health").json() == {"status": "ok"}
     assert httpx.get(shard.url + "/v1/ready").status_code == 200
+    before = _layer_count(httpx.get(shard.url + "/metrics").text)
+    x = np.random.default_rng(5).standard_normal((2, H)).astype(np.float32)
+    for _ in range(3):
+        assert post(shard.url, w.encode_request(1, x), {"content-type": w.CONTENT_TYPE}).status_code == 200
     m = httpx.get(shard.url + "/metrics")
     assert m.status_code == 200
     assert "larql_ffn_requests_total" in m.text and "larql_ffn_request_duration_seconds" in m.text
-    assert "larql_ffn_layer_duration_seconds" in m.text
+    # the per-layer histogram is batched in Python and flushed before every scrape: nothing is lost
+    assert _layer_count(m.text) == before + 3
+
+
+def _layer_count(text: str) -> float:
+    import re
+
+    found = re.search(r'^larql_ffn_layer_duration_seconds_count\{layer="1"\} (\S+)$', text, re.M)
+    return float(found.group(1)) if found else 0.0
 
 
 def _without_layer0_ffn(src, dst):
