@@ -246,3 +246,16 @@ def test_cli_rejects_bad_ranges(tiny_models):
     assert r.returncode == 1 and "outside the model" in r.stderr
     r = run("--layers", "0-1", "--join", "http://127.0.0.1:9")
     assert r.returncode == 2 and "--grid-key" in r.stderr
+
+
+def test_rows_beyond_a_chunk_into_f32_and_f16_outputs(tiny_models, reference):
+    """Shard.compute in ROW_CHUNK pieces, into a float32 or a float16 reply view: the local FFN's values."""
+    from larql_edge.roles.ffn.shard import ROW_CHUNK, Shard
+
+    s = Shard(tiny_models["gemma3"], None)
+    x = np.random.default_rng(9).standard_normal((ROW_CHUNK + 37, H)).astype(np.float32)
+    want = np.concatenate([reference.ffn(1, x[:ROW_CHUNK]), reference.ffn(1, x[ROW_CHUNK:])])
+    np.testing.assert_array_equal(s.compute(1, x), want)
+    out16 = np.empty((x.shape[0], H), np.float16)
+    assert s.compute(1, x, out16) is out16
+    np.testing.assert_array_equal(out16, want.astype(np.float16))
