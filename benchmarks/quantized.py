@@ -53,6 +53,7 @@ from larql_edge.wire import embed as ew  # noqa: E402
 from larql_edge.wire import ffn as fw  # noqa: E402
 
 ROWS = (1, 16)  # rows per FFN request (shard throughput)
+FFN_ROUNDS = 3  # alternating rounds per configuration and rows (shard throughput)
 PARTS = ("embed", "local", "grid", "ffn", "llama")
 CONFIGS = {"f32": ("none", "numpy"), "q4k": ("q4k", "compact"), "gguf": ("gguf", "compact")}
 HOST = "127.0.0.1"
@@ -282,10 +283,12 @@ def main() -> int:
         # -- grid decode and shard throughput ---------------------------------------------------
         if "grid" in parts or "ffn" in parts:
             ranges = split_even(n_layers, 2)
-            grid_rates, through = {}, {}
+            grid_rates: dict = {}
+            wholes: dict = {}  # the all-layers shard of each configuration, side by side
+            whole_ports = pick_ports(HOST, [19694, 19695, 19696])
             for k, (_, backend) in CONFIGS.items():
                 be = {"LARQL_BACKEND": backend}
-                rp, ep, s0, s1, sa = pick_ports(HOST, [19690, 19691, 19692, 19693, 19694])
+                rp, ep, s0, s1 = pick_ports(HOST, [19690, 19691, 19692, 19693])
                 roles = []
                 if "grid" in parts:
                     router = sup.start(f"router-{k}", ["larql-router", "--port", str(rp), *common], url(rp), env=be)
@@ -294,8 +297,11 @@ def main() -> int:
                     for rng_, p in zip(ranges, (s0, s1), strict=True):
                         roles.append(sup.start(f"ffn-{k}-{rng_}", ["larql-ffn", str(slices[k]["ffn"]), "--layers", str(rng_),
                                                                    "--port", str(p), *common, "--join", url(rp)], url(p), env=be))
-                whole = sup.start(f"ffn-all-{k}", ["larql-ffn", str(slices[k]["ffn"]), "--port", str(sa), *common], url(sa), env=be)
-                sup.wait_ready([*roles, whole], time.monotonic() + 900)
+                if "ffn" in parts:
+                    wp = whole_ports[len(wholes)]
+                    wholes[k] = sup.start(f"ffn-all-{k}", ["larql-ffn", str(slices[k]["ffn"]), "--port", str(wp), *common],
+                                          url(wp), env=be)
+                sup.wait_ready([*roles, *wholes.values()], time.monotonic() + 900)
                 if "grid" in parts:
                     deadline = time.monotonic() + 120
                     hc = HttpClient()
@@ -305,11 +311,24 @@ def main() -> int:
                         time.sleep(0.2)
                     hc.close()
                     grid_rates[k] = worker(slices[k]["client"], backend, args.tokens, args.rounds, ffn=router.url)
-                if "ffn" in parts:
-                    secs = 4.0 if args.quick else 10.0
-                    through[k] = {rows: shard_throughput(whole.url, hidden, n_layers, rows, secs) for rows in ROWS}
-                for r in [whole, *reversed(roles)]:
+                for r in reversed(roles):
                     r.stop()
+            if "ffn" in parts:
+                # The three shards run side by side and are measured in alternating rounds, so that the
+                # machine's load (other processes come and go) hits every configuration alike.
+                secs = 4.0 if args.quick else 10.0
+                done = {k: {rows: [0.0, 0.0] for rows in ROWS} for k in wholes}
+                for _ in range(FFN_ROUNDS):
+                    for rows in ROWS:
+                        for k, w in wholes.items():
+                            t0 = time.monotonic()
+                            rate = shard_throughput(w.url, hidden, n_layers, rows, secs / FFN_ROUNDS)
+                            dt = time.monotonic() - t0
+                            done[k][rows][0] += rate * dt
+                            done[k][rows][1] += dt
+                through = {k: {rows: n / t for rows, (n, t) in d.items()} for k, d in done.items()}
+                for w in wholes.values():
+                    w.stop()
             if "grid" in parts:
                 base = grid_rates["f32"]["rate"]
                 say("Grid decode (router + embed server + 2 FFN shards + attention-only client, loopback):")
@@ -319,7 +338,8 @@ def main() -> int:
                     say(f"  {k:<6}  {r['rate']:6.1f} tok/s  {r['rate'] / base:.2f}x   same tokens as local: {same}")
                 say("")
             if "ffn" in parts:
-                say("FFN shard throughput (all layers in one shard, 2 concurrent clients, rows per second):")
+                say(f"FFN shard throughput (all layers in one shard, 2 concurrent clients, rows per second; the three "
+                    f"shards side by side, {FFN_ROUNDS} alternating rounds each):")
                 for k in CONFIGS:
                     t = through[k]
                     say(f"  {k:<6}  " + "    ".join(f"{n} row{'s' if n > 1 else ''} {t[n]:8.0f}  ({t[n] / through['f32'][n]:.2f}x)"

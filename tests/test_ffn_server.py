@@ -193,10 +193,22 @@ def test_stats_health_ready_metrics(shard):
     assert s["num_layers"] == 2 and s["vindex_hash"] and s["memory_mb"] > 0
     assert httpx.get(shard.url + "/v1/health").json() == {"status": "ok"}
     assert httpx.get(shard.url + "/v1/ready").status_code == 200
+    before = _layer_count(httpx.get(shard.url + "/metrics").text)
+    x = np.random.default_rng(5).standard_normal((2, H)).astype(np.float32)
+    for _ in range(3):
+        assert post(shard.url, w.encode_request(1, x), {"content-type": w.CONTENT_TYPE}).status_code == 200
     m = httpx.get(shard.url + "/metrics")
     assert m.status_code == 200
     assert "larql_ffn_requests_total" in m.text and "larql_ffn_request_duration_seconds" in m.text
-    assert "larql_ffn_layer_duration_seconds" in m.text
+    # the per-layer histogram is batched in Python and flushed before every scrape: nothing is lost
+    assert _layer_count(m.text) == before + 3
+
+
+def _layer_count(text: str) -> float:
+    import re
+
+    found = re.search(r'^larql_ffn_layer_duration_seconds_count\{layer="1"\} (\S+)$', text, re.M)
+    return float(found.group(1)) if found else 0.0
 
 
 def _without_layer0_ffn(src, dst):
@@ -234,3 +246,16 @@ def test_cli_rejects_bad_ranges(tiny_models):
     assert r.returncode == 1 and "outside the model" in r.stderr
     r = run("--layers", "0-1", "--join", "http://127.0.0.1:9")
     assert r.returncode == 2 and "--grid-key" in r.stderr
+
+
+def test_rows_beyond_a_chunk_into_f32_and_f16_outputs(tiny_models, reference):
+    """Shard.compute in ROW_CHUNK pieces, into a float32 or a float16 reply view: the local FFN's values."""
+    from larql_edge.roles.ffn.shard import ROW_CHUNK, Shard
+
+    s = Shard(tiny_models["gemma3"], None)
+    x = np.random.default_rng(9).standard_normal((ROW_CHUNK + 37, H)).astype(np.float32)
+    want = np.concatenate([reference.ffn(1, x[:ROW_CHUNK]), reference.ffn(1, x[ROW_CHUNK:])])
+    np.testing.assert_array_equal(s.compute(1, x), want)
+    out16 = np.empty((x.shape[0], H), np.float16)
+    assert s.compute(1, x, out16) is out16
+    np.testing.assert_array_equal(out16, want.astype(np.float16))

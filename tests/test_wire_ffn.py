@@ -158,3 +158,20 @@ def test_json_round_trip():
 def test_bad_json_raises_wire_error(obj):
     with pytest.raises(WireError):
         w.request_from_json(obj, H)
+
+
+@pytest.mark.parametrize("f16", [False, True])
+def test_reply_buffer_is_the_encoded_reply(f16):
+    """A shard computes into `reply_buffer`'s views; the bytes are then what the encoders write."""
+    rng = np.random.default_rng(4)
+    a, b = (rng.standard_normal((3, 8)).astype(np.float32) for _ in range(2))
+    buf, (va,) = w.reply_buffer([5], 3, 8, batch=False, f16=f16)
+    va[...] = a
+    w.set_latency(buf, 1.5)
+    assert bytes(buf) == w.encode_response(5, a, 1.5, f16)
+    buf, views = w.reply_buffer([2, 7], 3, 8, batch=True, f16=f16)
+    views[0][...], views[1][...] = a, b
+    w.set_latency(buf, 2.25)
+    assert bytes(buf) == w.encode_batch_response([(2, a), (7, b)], 2.25, f16)
+    with pytest.raises(WireError):
+        w.reply_buffer([1, 2], 3, 8, batch=False)

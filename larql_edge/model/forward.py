@@ -82,12 +82,38 @@ class LocalFfn:
         wanted = range(spec.num_layers) if layers is None else layers
         self.layers = {i: load_ffn_layer(vx, i, self.backend) for i in wanted}
         self.act = activation(spec, self.backend, [m for w in self.layers.values() for m in (w.gate, w.up, w.down)])
+        self.fused = _fused_ffn(spec, self.act, self.layers.values())
 
-    def ffn(self, layer: int, x: np.ndarray) -> np.ndarray:
+    def ffn(self, layer: int, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """The layer's FFN of ``x``; ``out`` (float32, C-contiguous, x's rows by hidden) receives it
+        when given (an FFN shard's reply buffer)."""
         w = self.layers.get(layer)
         if w is None:
             raise KeyError(layer)
-        return ffn_compute(w, x, self.act, self.backend)
+        if self.fused is not None and x.ndim == 2 and self.fused.takes(x.shape[0], w):
+            return self.fused.run(w.gate, w.up, w.down, x, out)
+        y = ffn_compute(w, x, self.act, self.backend)
+        if out is None:
+            return y
+        out[...] = y
+        return out
+
+
+def _fused_ffn(spec: ModelSpec, act, layers):
+    """One ggml graph per FFN layer (`larql_edge.model.ffn_graph`) where it computes exactly what the
+    product-by-product path does: ggml block weights and ggml's own activation (Gemma's GELU table).
+    SiLU stays product by product: ggml's vectorized SiLU rounds differently from numpy's."""
+    if spec.family.activation != "gelu_tanh":
+        return None
+    from larql_edge.model import ffn_graph
+    from larql_edge.model.kernels import _ggml
+
+    if act is not _ggml.gelu:
+        return None
+
+    if not layers or not all(ffn_graph.fusable(w.gate, w.up, w.down) for w in layers):
+        return None
+    return ffn_graph.FfnGraphs(spec.family.activation)
 
 
 # -- the forward pass -----------------------------------------------------------------------------

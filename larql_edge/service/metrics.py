@@ -191,6 +191,13 @@ class Metrics:
             ek = (route, error_type or f"http_{status}")
             self._pending_errors[ek] = self._pending_errors.get(ek, 0) + 1
 
+    def batched(self, family, *labels: str) -> "BatchedObserver":
+        """A histogram child (DURATION_BUCKETS) whose observations accumulate in plain Python and
+        reach Prometheus at the next flush, as the request metrics do (a per-layer hot path)."""
+        obs = BatchedObserver(lambda: self._child(family, *labels))
+        self.add_flusher(obs.flush)
+        return obs
+
     def _flush_requests(self) -> None:
         pending, self._pending_requests = self._pending_requests, {}
         for (route, method, status), n in pending.items():
@@ -326,3 +333,29 @@ class HopMetrics:
         if won > w0:
             self.hedges.labels("won").inc(won - w0)
         self._hedged = (sent, won)
+
+
+class BatchedObserver:
+    """``observe(seconds)``: a bucket count and a sum in Python; ``flush`` adds them to the child."""
+
+    def __init__(self, child) -> None:
+        import threading
+
+        self._child = child
+        self._counts = [0] * (len(DURATION_BUCKETS) + 1)
+        self._sum = 0.0
+        self._lock = threading.Lock()  # observed in the compute thread, flushed in the event loop
+
+    def observe(self, seconds: float) -> None:
+        i = bisect.bisect_left(DURATION_BUCKETS, seconds)
+        with self._lock:
+            self._counts[i] += 1
+            self._sum += seconds
+
+    def flush(self) -> None:
+        with self._lock:
+            counts, total = self._counts, self._sum
+            if not any(counts):
+                return
+            self._counts, self._sum = [0] * (len(DURATION_BUCKETS) + 1), 0.0
+        _add_to_histogram(self._child(), counts, total)

@@ -135,6 +135,36 @@ def encode_response(layer: int, out: np.ndarray, latency_ms: float, f16: bool = 
     return _RESP.pack(int(layer), rows.shape[0], float(latency_ms)) + vals.tobytes()
 
 
+def reply_buffer(layers: Sequence[int], seq_len: int, hidden: int, batch: bool,
+                 f16: bool = False) -> tuple[bytearray, list[np.ndarray]]:
+    """A reply's bytes, framed, and a writable ``[seq_len, hidden]`` view of each layer's values in
+    them (float32, or float16 for ``f16``): a shard computes straight into its reply, no encode copy.
+    The latency field is 0 until `set_latency`."""
+    dt = value_dtype(f16)
+    n = seq_len * hidden
+    item = n * dt.itemsize
+    if batch:
+        step = _ITEM.size + item
+        buf = bytearray(_RESP.size + step * len(layers))
+        _RESP.pack_into(buf, 0, BATCH, len(layers), 0.0)
+        views = []
+        for i, layer in enumerate(layers):
+            off = _RESP.size + i * step
+            _ITEM.pack_into(buf, off, int(layer), seq_len, n)
+            views.append(np.frombuffer(buf, dt, n, off + _ITEM.size).reshape(seq_len, hidden))
+        return buf, views
+    if len(layers) != 1:
+        raise WireError("a single-layer reply carries exactly one layer")
+    buf = bytearray(_RESP.size + item)
+    _RESP.pack_into(buf, 0, int(layers[0]), seq_len, 0.0)
+    return buf, [np.frombuffer(buf, dt, n, _RESP.size).reshape(seq_len, hidden)]
+
+
+def set_latency(buf: bytearray, latency_ms: float) -> None:
+    """The latency field of a reply made by `reply_buffer` (the same place in single and batch replies)."""
+    struct.pack_into("<f", buf, 8, float(latency_ms))
+
+
 def decode_response(body: bytes, hidden: int, f16: bool = False) -> tuple[int, np.ndarray, float]:
     """``(layer, out [seq_len, hidden] float32, latency_ms)`` of a single-layer reply."""
     mv = memoryview(body)

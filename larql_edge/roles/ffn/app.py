@@ -51,6 +51,6 @@ def create_app(shard: Shard, name: str = "larql_ffn") -> Sanic:
     metrics = app.ctx.metrics
     metrics.gauge("layers_served", "layers this shard serves").set(len(shard.range))
     layer_seconds = metrics.histogram("layer_duration_seconds", "FFN compute time per layer", ["layer"])
-    children = {layer: layer_seconds.labels(str(layer)) for layer in shard.range}
-    shard.on_layer = lambda layer, seconds: children[layer].observe(seconds)
+    observers = {layer: metrics.batched(layer_seconds, str(layer)) for layer in shard.range}
+    shard.on_layer = lambda layer, seconds: observers[layer].observe(seconds)
     return app

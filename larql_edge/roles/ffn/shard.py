@@ -93,12 +93,19 @@ class Shard:
             raise PayloadTooLarge(f"{req.seq_len} positions x {len(req.layers)} layers makes a {reply}-byte reply; "
                                   f"the limit is {self.limits.max_reply_bytes} (send fewer layers or positions)")
 
-    def compute(self, layer: int, x: np.ndarray) -> np.ndarray:
+    def compute(self, layer: int, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """The layer's FFN of ``x`` ``[rows, hidden]``, into ``out`` when given (float32, or float16:
+        rounded from the float32 result)."""
         t0 = time.perf_counter()
-        if x.shape[0] <= ROW_CHUNK:
-            out = self.ffn.ffn(layer, x)
-        else:
-            out = np.concatenate([self.ffn.ffn(layer, x[i : i + ROW_CHUNK]) for i in range(0, x.shape[0], ROW_CHUNK)])
+        n = x.shape[0]
+        if out is None:
+            out = np.empty((n, self.hidden), np.float32)
+        for i in range(0, n, ROW_CHUNK):
+            dst = out[i : i + ROW_CHUNK]
+            if dst.dtype == np.float32:
+                self.ffn.ffn(layer, x[i : i + ROW_CHUNK], out=dst)
+            else:
+                dst[...] = self.ffn.ffn(layer, x[i : i + ROW_CHUNK])
         seconds = time.perf_counter() - t0
         self.on_layer(layer, seconds)
         ms = seconds * 1e3
@@ -111,6 +118,11 @@ class Shard:
         t0 = time.perf_counter()
         results = [(layer, self.compute(layer, x)) for layer in layers]
         return results, (time.perf_counter() - t0) * 1e3
+
+    def run_into(self, layers: Sequence[int], x: np.ndarray, outs: Sequence[np.ndarray]) -> None:
+        """Every requested layer on the same input, each into its own output (a reply's views)."""
+        for layer, out in zip(layers, outs, strict=True):
+            self.compute(layer, x, out)
 
     def describe(self, inflight: int = 0) -> dict:
         """The announcement and load a membership heartbeat carries (larql_edge.service.membership)."""
