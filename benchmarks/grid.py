@@ -129,7 +129,8 @@ def child_decode_rate(code: Path, vindex: Path, router: str, ids: list[int], tok
     (with ``python``: that interpreter, e.g. the tree's own virtual environment)."""
     import json
 
-    env = {**os.environ, "PYTHONPATH": str(code)}
+    # one thread of products, as `larql generate --ffn` pins its own (BLAS and the kernels)
+    env = {**os.environ, "PYTHONPATH": str(code), "LARQL_KERNEL_THREADS": "1"}
     r = subprocess.run([python or sys.executable, "-c", _DECODE_CHILD, str(vindex), router, json.dumps(ids), str(tokens)],
                        capture_output=True, text=True, cwd=str(code), env=env, timeout=900)
     if r.returncode:

@@ -344,8 +344,10 @@ def main() -> int:
         try:
             compare_part(args, paths, levels, n_layers, say_)
         finally:
-            Path(args.out).write_text("\n".join(out) + "\n")
-            print(f"written to {args.out}")
+            from _support import save_keeping_earlier
+
+            save_keeping_earlier(args.out, out)
+            print(f"written to {args.out} (earlier runs kept)")
         return 0
     ranges = split_even(n_layers, 2)
     host = "127.0.0.1"
