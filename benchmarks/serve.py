@@ -7,8 +7,11 @@ and the FFN requests per step (the number of layers, whatever the concurrency: c
     python benchmarks/serve.py --structured [--streams 1,8]   # structured output's cost per token
     python benchmarks/serve.py --baseline /work/wt/_base [--baseline-python DIR/.venv/bin/python] [--streams 1,16]
 
---baseline DIR: two grids side by side, every role of one run from DIR (PYTHONPATH), the other's from this
-tree; rounds alternate between them level by level (the same neighbours' load for both), and the table gives
+--baseline DIR: two grids side by side, every role of one run from DIR (PYTHONPATH; with DIR's own .venv, or
+--baseline-python, its interpreter and entry points, so an older tree keeps the dependencies it declared),
+the other's from this tree (--lanes N: this tree's larql-serve --lanes; --kernel-threads N: its roles'
+LARQL_KERNEL_THREADS, for equal threads against a tree whose kernels ignored --blas-threads; --quant:
+the vindex form); rounds alternate between them level by level (the same neighbours' load for both), and the table gives
 each level for both with the ratio this / baseline, and the per-step breakdown: lm_head (the embed server's
 product + top-k), FFN (the shards' compute), attention (larql-serve's own layers), hops and the rest (the
 step's wall time minus those: network, parsing, queueing, the scheduler).
@@ -181,12 +184,12 @@ def ffn_requests(shard_urls: list[str]) -> int:
 
 
 def start_grid(sup, tag: str, tree: str, paths, ranges, host: str, ports: list[int], max_active: int, model: str,
-               bindir: Path | None = None, serve_extra: list[str] | None = None):
+               bindir: Path | None = None, serve_extra: list[str] | None = None, kernel_env: dict | None = None):
     """Router, embed server, two FFN shards and larql-serve with every role importing from ``tree``; with
     ``bindir`` (a virtual environment's bin folder) the roles run that environment's interpreter and entry
     points, so an older tree runs with the dependencies it declared (numba, say)."""
     rp, ep, sv, *sp = ports
-    env = {"PYTHONPATH": tree}
+    env = {"PYTHONPATH": tree, **(kernel_env or {})}
     if bindir is not None:
         env.update(PATH=f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}", VIRTUAL_ENV=str(bindir.parent))
     cmd = lambda name: str(bindir / name) if bindir is not None else name  # noqa: E731
@@ -252,8 +255,11 @@ def compare_part(args, paths, levels: list[int], n_layers: int, say) -> None:
     try:
         bindirs = {"baseline": baseline_bindir(args), "this": None}
         extra = {"baseline": [], "this": ["--lanes", str(args.lanes)] if args.lanes > 1 else []}
+        # --kernel-threads: this tree's kernels at that many threads (LARQL_KERNEL_THREADS, which --blas-threads 1
+        # leaves alone): an older tree's kernels may split products over every CPU whatever --blas-threads says
+        kernel_env = {"LARQL_KERNEL_THREADS": str(args.kernel_threads)} if args.kernel_threads else None
         grids = {tag: start_grid(sup, tag, tree, paths, ranges, host, ports[5 * i: 5 * i + 5], max(levels), args.model,
-                                 bindirs[tag], extra[tag])
+                                 bindirs[tag], extra[tag], kernel_env if tag == "this" else None)
                  for i, (tag, tree) in enumerate(trees.items())}
         sup.wait_ready(sup.roles, time.monotonic() + 900)
         for g in grids.values():
@@ -266,7 +272,8 @@ def compare_part(args, paths, levels: list[int], n_layers: int, say) -> None:
             asyncio.run(round_of(g["serve"].url, args.model, 2, 4))  # warm-up
         say(f"larql-serve, this tree ({here}) against the baseline ({trees['baseline']}): {args.model}, {n_layers} layers, "
             f"FFN on 2 shards, {args.tokens} greedy tokens per stream, {os.cpu_count()} CPUs, 1 BLAS thread per process; "
-            f"two grids side by side, rounds alternating; this tree's larql-serve --lanes {args.lanes}; "
+            f"two grids side by side, rounds alternating; this tree's larql-serve --lanes {args.lanes}, kernel threads "
+            f"{args.kernel_threads or 'as --blas-threads (1)'}; "
             f"load average before: {os.getloadavg()[0]:.2f}")
         say(f"interpreters: this {sys.executable}; baseline {bindirs['baseline'] or sys.executable}; vindexes: "
             + ", ".join(f"{k} {v}" for k, v in paths.items()))
@@ -318,6 +325,9 @@ def main() -> int:
     ap.add_argument("--lanes", type=int, default=1,
                     help="larql-serve --lanes for this tree's serve (scheduler threads stepping at once; the baseline "
                          "runs its own default)")
+    ap.add_argument("--kernel-threads", type=int, default=None,
+                    help="with --baseline: LARQL_KERNEL_THREADS for this tree's roles (the code before --blas-threads "
+                         "capped the kernels split its products over every CPU: 2 here; equal threads compare)")
     ap.add_argument("--baseline-python", default=None,
                     help="the baseline's interpreter (its venv's bin holds the larql-* entry points); default: "
                          "DIR/.venv/bin/python when it exists, else this interpreter")
