@@ -3,11 +3,15 @@ forward measured in the same run, per-hop latency, 59-token prefill, and the RSS
 
     python benchmarks/grid.py [--model gemma3-270m] [--tokens 32] [--rounds 3] [--replicas 2]
                               [--compare-code DIR] [--out benchmarks/results/grid.txt]
+    python benchmarks/grid.py --compare-grid DIR [--compare-python PY] [--rounds 3]
 
 ``--replicas 2`` (the default) runs two replicas of each range, so the direct data path hedges its hops
 as on a production grid. ``--compare-code DIR`` also decodes on the direct path from client processes
 running this tree and the larql-edge tree at DIR (e.g. an older checkout), alternately, for a
-same-run ratio of the two versions' clients against the same grid.
+same-run ratio of the two versions' clients against the same grid. ``--compare-grid DIR`` (alone) runs
+two whole grids, every role and the client of this tree and of DIR (DIR's own .venv, or --compare-python:
+an older tree keeps its own dependencies), and decodes on each alternately: grid decode version against
+version.
 
 Every role runs as a local process on loopback with 1 BLAS thread (as `larql-grid up` starts them);
 this process also pins itself to 1 BLAS thread, so the baseline and the grid get the same compute.
@@ -96,9 +100,15 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 threadpool_limits(1)
 from larql_edge.format.vindex import Vindex
-from larql_edge.net.remote import RemoteSettings
 from larql_edge.roles.client._build import build_remote
-m = build_remote(Vindex.open(sys.argv[1]), RemoteSettings(ffn=sys.argv[2], timeout=120.0, retries=4))
+try:
+    from larql_edge.net.remote import RemoteSettings
+    settings = RemoteSettings(ffn=sys.argv[2], timeout=120.0, retries=4)
+except ImportError:  # an older tree (before net/): build_remote read the CLI's namespace
+    import argparse
+    settings = argparse.Namespace(ffn=sys.argv[2], embed=None, timeout=120.0, retries=4, ffn_f16=False,
+                                  logits_top_k=64, blas_threads=1, vindex=sys.argv[1])
+m = build_remote(Vindex.open(sys.argv[1]), settings)
 ids, tokens = json.loads(sys.argv[3]), int(sys.argv[4])
 cache = m.new_cache()
 logits = m.next_logits(ids, cache)
@@ -113,16 +123,93 @@ print(tokens / (time.perf_counter() - t0))
 """
 
 
-def child_decode_rate(code: Path, vindex: Path, router: str, ids: list[int], tokens: int) -> float:
-    """Decode tok/s on the direct path from a client process running the larql-edge tree at ``code``."""
+def child_decode_rate(code: Path, vindex: Path, router: str, ids: list[int], tokens: int,
+                      python: str | None = None) -> float:
+    """Decode tok/s on the direct path from a client process running the larql-edge tree at ``code``
+    (with ``python``: that interpreter, e.g. the tree's own virtual environment)."""
     import json
 
-    env = {**os.environ, "PYTHONPATH": str(code)}
-    r = subprocess.run([sys.executable, "-c", _DECODE_CHILD, str(vindex), router, json.dumps(ids), str(tokens)],
+    # one thread of products, as `larql generate --ffn` pins its own (BLAS and the kernels)
+    env = {**os.environ, "PYTHONPATH": str(code), "LARQL_KERNEL_THREADS": "1"}
+    r = subprocess.run([python or sys.executable, "-c", _DECODE_CHILD, str(vindex), router, json.dumps(ids), str(tokens)],
                        capture_output=True, text=True, cwd=str(code), env=env, timeout=900)
     if r.returncode:
         raise RuntimeError(r.stderr[-2000:])
     return float(r.stdout.strip().splitlines()[-1])
+
+
+def tree_python(tree: Path, python: str | None) -> str | None:
+    """The interpreter that runs ``tree``'s code: ``python``, else the tree's own .venv when it has one."""
+    if python:
+        return str(Path(python).absolute())
+    own = tree / ".venv" / "bin" / "python"
+    return str(own) if own.exists() else None
+
+
+def start_grid(sup, tag: str, tree: Path | None, python: str | None, paths, ranges, replicas: int, host: str,
+               ports: list[int]):
+    """Router, embed server and ``replicas`` FFN shards per range, every role from ``tree`` (None: this one)
+    run by ``python``'s virtual environment (its bin folder's larql-* entry points)."""
+    rp, ep, *sp = ports
+    env: dict[str, str] = {}
+    cmd = lambda name: name  # noqa: E731
+    if tree is not None:
+        env["PYTHONPATH"] = str(tree)
+    if python is not None:
+        bindir = Path(python).parent
+        env.update(PATH=f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}", VIRTUAL_ENV=str(bindir.parent))
+        cmd = lambda name: str(bindir / name)  # noqa: E731
+    url = lambda p: f"http://{host}:{p}"  # noqa: E731
+    common = ["--host", host, "--blas-threads", "1"]
+    router = sup.start(f"router-{tag}", [cmd("larql-router"), "--port", str(rp), *common], url(rp), env=env)
+    embed = sup.start(f"embed-{tag}", [cmd("larql-embed"), str(paths["embed"]), "--port", str(ep), *common,
+                                       "--join", url(rp)], url(ep), env=env)
+    placed = [(r, i) for i in range(replicas) for r in ranges]
+    shards = [sup.start(f"ffn-{tag}-{r}-{i}", [cmd("larql-ffn"), str(paths["ffn"]), "--layers", str(r), "--port",
+                                               str(p), *common, "--join", url(rp)], url(p), env=env, layers=str(r))
+              for (r, i), p in zip(placed, sp, strict=True)]
+    return router, embed, shards
+
+
+def compare_grids(args, paths, n_layers: int, say) -> None:
+    """Whole grid against whole grid: every role and the client of this tree, and every role and the
+    client of the tree at --compare-grid (its own interpreter), decoding alternately."""
+    ranges = split_even(n_layers, 2)
+    host = "127.0.0.1"
+    n = 2 + len(ranges) * args.replicas
+    ports = pick_ports(host, [*range(19590, 19590 + n), *range(19690, 19690 + n)])
+    env = role_env(dict(os.environ), LARQL_GRID_KEY="bench-key", PYTHONUNBUFFERED="1")
+    sup = Supervisor(Path(tempfile.mkdtemp(prefix="larql-bench-grids-")), env)
+    other = Path(args.compare_grid).resolve()
+    other_py = tree_python(other, args.compare_python)
+    try:
+        grids = {"this": start_grid(sup, "this", None, None, paths, ranges, args.replicas, host, ports[:n]),
+                 "other": start_grid(sup, "other", other, other_py, paths, ranges, args.replicas, host, ports[n:])}
+        sup.wait_ready(sup.roles, time.monotonic() + 900)
+        for router, _, _ in grids.values():
+            while not httpx.get(router.url + "/v1/grid").json()["complete"]:
+                time.sleep(0.2)
+        tok = Vindex.open(paths["client"]).load_tokenizer()
+        prompt = tok.encode("The capital of France is").ids
+        say(f"Whole grid against whole grid: {args.model} ({n_layers} layers), router + embed + {len(ranges) * args.replicas} "
+            f"FFN shards ({', '.join(map(str, ranges))}, {args.replicas} each) per grid, every process 1 BLAS thread")
+        say(f"  this:  {ROOT} ({sys.executable}), roles and client")
+        say(f"  other: {other} ({other_py or sys.executable}), roles and client")
+        say(f"  vindexes: {', '.join(f'{k} {v}' for k, v in paths.items())}")
+        say(f"  load average before: {os.getloadavg()[0]:.2f}")
+        rates: dict[str, list[float]] = {"this": [], "other": []}
+        for _ in range(args.rounds):  # alternating: the same neighbours' load for both
+            rates["this"].append(child_decode_rate(ROOT, paths["client"], grids["this"][0].url, prompt, args.tokens))
+            rates["other"].append(child_decode_rate(other, paths["client"], grids["other"][0].url, prompt, args.tokens,
+                                                    other_py))
+        bt, bo = max(rates["this"]), max(rates["other"])
+        pr = float(np.median([x / y for x, y in zip(rates["this"], rates["other"], strict=True)]))
+        say(f"Decode ({args.tokens} tokens after a {len(prompt)}-token prompt, client process per round, best of {args.rounds}):")
+        say(f"  this grid   {bt:6.1f} tok/s   {bt / bo:.2f}x   (all rounds: {', '.join(f'{r:.1f}' for r in rates['this'])})")
+        say(f"  {other.name:11s} {bo:6.1f} tok/s   (all rounds: {', '.join(f'{r:.1f}' for r in rates['other'])})")
+        say(f"  median of the per-round ratios: this grid {pr:.2f}x {other.name}; load average after: {os.getloadavg()[0]:.2f}")
+    finally:
+        sup.stop_all()
 
 
 def main() -> int:
@@ -134,6 +221,11 @@ def main() -> int:
     ap.add_argument("--replicas", type=int, default=2, help="FFN shards per layer range")
     ap.add_argument("--compare-code", default=None, metavar="DIR",
                     help="also compare the direct path's client from this tree against the one at DIR")
+    ap.add_argument("--compare-grid", default=None, metavar="DIR",
+                    help="only this: the whole grid (every role and the client) of this tree against the whole "
+                         "grid of the tree at DIR, decoding alternately (results kept with earlier runs)")
+    ap.add_argument("--compare-python", default=None, metavar="PY",
+                    help="the interpreter for DIR's roles and client (default: DIR/.venv/bin/python if it exists)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "grid.txt"))
     args = ap.parse_args()
     threadpool_limits(1)
@@ -144,6 +236,15 @@ def main() -> int:
         lines.append(s)
 
     paths = role_vindexes(args.model, args.vindex, log=lambda m: None)  # each role runs from its slice
+    if args.compare_grid:
+        from _support import save_keeping_earlier
+
+        try:
+            compare_grids(args, paths, Vindex.open(paths["ffn"]).num_layers, say)
+        finally:
+            save_keeping_earlier(args.out, lines)
+            print(f"\n(saved to {args.out}, earlier runs kept)")
+        return 0
     if args.vindex:
         vindex = Path(args.vindex)
     else:

@@ -4,7 +4,8 @@
 
 Routes, one thread each: ``ggml`` (mul_mat on the stored bytes: ggml's vec_dot per row), ``repacked``
 (ggml's repack buffer and its gemm/gemv kernels, where this CPU build has them for the type), ``tiled``
-(ggml's dequantizer into float32 tiles + SGEMM, `TILED_FROM_ROWS`), and numpy float32 BLAS on the
+(ggml's dequantizer into float32 tiles + SGEMM, `TILED_FROM_ROWS`; f16 through ggml-cpu's F16C converter),
+and numpy float32 BLAS on the
 dequantized weights (the reference). Shapes are Gemma 3 270M's (random weights): the FFN's gate
 [2048, 640] and down [640, 2048] in the block types the q4k and gguf vindexes use, and a quarter of the
 lm_head [65536, 640] in Q8_0 and f16. Times are the calling thread's CPU time (``time.thread_time``),
@@ -27,9 +28,12 @@ import numpy as np  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from _support import save_keeping_earlier  # noqa: E402  (benchmarks/ is the script's folder)
+
 from larql_edge.model.kernels import CompactMatrix, _matrix, kernel_info, set_threads  # noqa: E402
 
-SHAPES = [("gate", 2048, 640, "q4_k"), ("gate", 2048, 640, "q5_0"), ("down", 640, 2048, "q6_k"),
+SHAPES = [("gate", 2048, 640, "f16"), ("down", 640, 2048, "f16"),
+          ("gate", 2048, 640, "q4_k"), ("gate", 2048, 640, "q5_0"), ("down", 640, 2048, "q6_k"),
           ("down", 640, 2048, "q4_k"), ("lm_head/4", 65536, 640, "q8_0"), ("lm_head/4", 65536, 640, "f16")]
 
 
@@ -98,7 +102,7 @@ def main() -> int:
             say(f"{name:<10} {fmt:<6} {n:>4} {cells}   {best} ({got[best] / got['f32']:.2f}x)")
     say("")
     say(f"load average at end {os.getloadavg()[0]:.1f}")
-    Path(args.out).write_text("\n".join(lines) + "\n")
+    save_keeping_earlier(args.out, lines)
     return 0
 
 

@@ -5,10 +5,13 @@ and the FFN requests per step (the number of layers, whatever the concurrency: c
     python benchmarks/serve.py [--model gemma3-270m] [--tokens 32] [--streams 1,4,16,32] [--rounds 3] [--out benchmarks/results/serve.txt]
     python benchmarks/serve.py --part prompt-cache [--out benchmarks/results/serve_prompt_cache.txt]
     python benchmarks/serve.py --structured [--streams 1,8]   # structured output's cost per token
-    python benchmarks/serve.py --baseline /work/wt/_base [--streams 1,16]   # this tree against another checkout
+    python benchmarks/serve.py --baseline /work/wt/_base [--baseline-python DIR/.venv/bin/python] [--streams 1,16]
 
---baseline DIR: two grids side by side, every role of one run from DIR (PYTHONPATH), the other's from this
-tree; rounds alternate between them level by level (the same neighbours' load for both), and the table gives
+--baseline DIR: two grids side by side, every role of one run from DIR (PYTHONPATH; with DIR's own .venv, or
+--baseline-python, its interpreter and entry points, so an older tree keeps the dependencies it declared),
+the other's from this tree (--lanes N: this tree's larql-serve --lanes; --kernel-threads N: its roles'
+LARQL_KERNEL_THREADS, for equal threads against a tree whose kernels ignored --blas-threads; --quant:
+the vindex form); rounds alternate between them level by level (the same neighbours' load for both), and the table gives
 each level for both with the ratio this / baseline, and the per-step breakdown: lm_head (the embed server's
 product + top-k), FFN (the shards' compute), attention (larql-serve's own layers), hops and the rest (the
 step's wall time minus those: network, parsing, queueing, the scheduler).
@@ -180,20 +183,43 @@ def ffn_requests(shard_urls: list[str]) -> int:
     return sum(int(httpx.get(u + "/v1/stats", timeout=10).json()["requests"]) for u in shard_urls)
 
 
-def start_grid(sup, tag: str, tree: str, paths, ranges, host: str, ports: list[int], max_active: int, model: str):
-    """Router, embed server, two FFN shards and larql-serve with every role importing from ``tree``."""
+def start_grid(sup, tag: str, tree: str, paths, ranges, host: str, ports: list[int], max_active: int, model: str,
+               bindir: Path | None = None, serve_extra: list[str] | None = None, kernel_env: dict | None = None):
+    """Router, embed server, two FFN shards and larql-serve with every role importing from ``tree``; with
+    ``bindir`` (a virtual environment's bin folder) the roles run that environment's interpreter and entry
+    points, so an older tree runs with the dependencies it declared (numba, say)."""
     rp, ep, sv, *sp = ports
-    env = {"PYTHONPATH": tree}
+    env = {"PYTHONPATH": tree, **(kernel_env or {})}
+    if bindir is not None:
+        env.update(PATH=f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}", VIRTUAL_ENV=str(bindir.parent))
+    cmd = lambda name: str(bindir / name) if bindir is not None else name  # noqa: E731
     url = lambda p: f"http://{host}:{p}"  # noqa: E731
     common = ["--host", host, "--blas-threads", "1"]
-    router = sup.start(f"router-{tag}", ["larql-router", "--port", str(rp), *common], url(rp), env=env)
-    embed = sup.start(f"embed-{tag}", ["larql-embed", str(paths["embed"]), "--port", str(ep), *common, "--join", url(rp)],
-                      url(ep), env=env)
-    shards = [sup.start(f"ffn-{tag}-{r}", ["larql-ffn", str(paths["ffn"]), "--layers", str(r), "--port", str(p), *common,
-                                           "--join", url(rp)], url(p), env=env) for r, p in zip(ranges, sp, strict=True)]
+    router = sup.start(f"router-{tag}", [cmd("larql-router"), "--port", str(rp), *common], url(rp), env=env)
+    embed = sup.start(f"embed-{tag}", [cmd("larql-embed"), str(paths["embed"]), "--port", str(ep), *common, "--join",
+                                       url(rp)], url(ep), env=env)
+    shards = [sup.start(f"ffn-{tag}-{r}", [cmd("larql-ffn"), str(paths["ffn"]), "--layers", str(r), "--port", str(p),
+                                           *common, "--join", url(rp)], url(p), env=env)
+              for r, p in zip(ranges, sp, strict=True)]
     return {"router": router, "embed": embed, "shards": shards, "serve_argv": (
-        ["larql-serve", str(paths["client"]), "--ffn", router.url, "--port", str(sv), *common, "--max-active",
-         str(max_active), "--max-queue", "0", "--context", "512", "--served-model-name", model], url(sv), env)}
+        [cmd("larql-serve"), str(paths["client"]), "--ffn", router.url, "--port", str(sv), *common, "--max-active",
+         str(max_active), "--max-queue", "0", "--context", "512", "--served-model-name", model, *(serve_extra or [])],
+        url(sv), env)}
+
+
+def baseline_bindir(args) -> Path | None:
+    """The baseline's interpreter folder: --baseline-python's, else DIR/.venv's when DIR has one, else None
+    (this interpreter, the baseline's code on PYTHONPATH)."""
+    py = args.baseline_python or (str(Path(args.baseline) / ".venv" / "bin" / "python")
+                                  if (Path(args.baseline) / ".venv" / "bin" / "python").exists() else None)
+    if py is None:
+        return None
+    bindir = Path(py).absolute().parent
+    missing = [n for n in ("larql-router", "larql-embed", "larql-ffn", "larql-serve") if not (bindir / n).exists()]
+    if missing:
+        raise SystemExit(f"serve.py: {bindir} has no {', '.join(missing)}: install the baseline tree into that "
+                         "environment (pip install -e DIR)")
+    return bindir
 
 
 def measured_round(g: dict, model: str, n: int, tokens: int) -> dict:
@@ -227,7 +253,13 @@ def compare_part(args, paths, levels: list[int], n_layers: int, say) -> None:
     here = str(ROOT)
     trees = {"baseline": str(Path(args.baseline).resolve()), "this": here}
     try:
-        grids = {tag: start_grid(sup, tag, tree, paths, ranges, host, ports[5 * i: 5 * i + 5], max(levels), args.model)
+        bindirs = {"baseline": baseline_bindir(args), "this": None}
+        extra = {"baseline": [], "this": ["--lanes", str(args.lanes)] if args.lanes > 1 else []}
+        # --kernel-threads: this tree's kernels at that many threads (LARQL_KERNEL_THREADS, which --blas-threads 1
+        # leaves alone): an older tree's kernels may split products over every CPU whatever --blas-threads says
+        kernel_env = {"LARQL_KERNEL_THREADS": str(args.kernel_threads)} if args.kernel_threads else None
+        grids = {tag: start_grid(sup, tag, tree, paths, ranges, host, ports[5 * i: 5 * i + 5], max(levels), args.model,
+                                 bindirs[tag], extra[tag], kernel_env if tag == "this" else None)
                  for i, (tag, tree) in enumerate(trees.items())}
         sup.wait_ready(sup.roles, time.monotonic() + 900)
         for g in grids.values():
@@ -240,7 +272,11 @@ def compare_part(args, paths, levels: list[int], n_layers: int, say) -> None:
             asyncio.run(round_of(g["serve"].url, args.model, 2, 4))  # warm-up
         say(f"larql-serve, this tree ({here}) against the baseline ({trees['baseline']}): {args.model}, {n_layers} layers, "
             f"FFN on 2 shards, {args.tokens} greedy tokens per stream, {os.cpu_count()} CPUs, 1 BLAS thread per process; "
-            f"two grids side by side, rounds alternating; load average before: {os.getloadavg()[0]:.2f}")
+            f"two grids side by side, rounds alternating; this tree's larql-serve --lanes {args.lanes}, kernel threads "
+            f"{args.kernel_threads or 'as --blas-threads (1)'}; "
+            f"load average before: {os.getloadavg()[0]:.2f}")
+        say(f"interpreters: this {sys.executable}; baseline {bindirs['baseline'] or sys.executable}; vindexes: "
+            + ", ".join(f"{k} {v}" for k, v in paths.items()))
         say("")
         runs: dict[tuple[str, int], list[dict]] = {(t, n): [] for t in grids for n in levels}
         for _ in range(args.rounds):
@@ -274,6 +310,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="gemma3-270m")
     ap.add_argument("--vindex", default=None, help="one vindex for every role (default: the cached slices)")
+    ap.add_argument("--quant", choices=["none", "q4k", "gguf"], default="none",
+                    help="the cached vindex's form (as larql-grid up --quant): none (f16), q4k or gguf (the tied "
+                         "lm_head then multiplied as Q8_0)")
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--streams", default="1,4,16,32")
     ap.add_argument("--rounds", type=int, default=3, help="rounds through every level (medians reported)")
@@ -283,6 +322,15 @@ def main() -> int:
                     help="structured output's cost: tok/s with and without a JSON schema (default streams 1,8)")
     ap.add_argument("--baseline", default=None,
                     help="a checkout to compare with (e.g. /work/wt/_base): two grids, rounds alternating, ratios")
+    ap.add_argument("--lanes", type=int, default=1,
+                    help="larql-serve --lanes for this tree's serve (scheduler threads stepping at once; the baseline "
+                         "runs its own default)")
+    ap.add_argument("--kernel-threads", type=int, default=None,
+                    help="with --baseline: LARQL_KERNEL_THREADS for this tree's roles (the code before --blas-threads "
+                         "capped the kernels split its products over every CPU: 2 here; equal threads compare)")
+    ap.add_argument("--baseline-python", default=None,
+                    help="the baseline's interpreter (its venv's bin holds the larql-* entry points); default: "
+                         "DIR/.venv/bin/python when it exists, else this interpreter")
     ap.add_argument("--part", choices=["streams", "prompt-cache"], default="streams",
                     help="prompt-cache: the 5th turn's TTFT with the prefix cache on vs off")
     args = ap.parse_args()
@@ -292,7 +340,7 @@ def main() -> int:
         "serve_structured.txt" if args.structured else "serve_prompt_cache.txt" if args.part == "prompt-cache"
         else "serve.txt"))
     levels = [int(x) for x in args.streams.split(",")]
-    paths = role_vindexes(args.model, args.vindex, log=lambda m: None)
+    paths = role_vindexes(args.model, args.vindex, log=lambda m: None, quant=args.quant)
     n_layers = Vindex.open(paths["ffn"]).num_layers
     if args.baseline:
         out: list[str] = []
@@ -306,8 +354,10 @@ def main() -> int:
         try:
             compare_part(args, paths, levels, n_layers, say_)
         finally:
-            Path(args.out).write_text("\n".join(out) + "\n")
-            print(f"written to {args.out}")
+            from _support import save_keeping_earlier
+
+            save_keeping_earlier(args.out, out)
+            print(f"written to {args.out} (earlier runs kept)")
         return 0
     ranges = split_even(n_layers, 2)
     host = "127.0.0.1"
@@ -336,7 +386,7 @@ def main() -> int:
             return 0
         serve = sup.start("serve", ["larql-serve", str(paths["client"]), "--ffn", router.url, "--port", str(sv), *common,
                                     "--max-active", str(max(levels)), "--max-queue", "0", "--context", "512",
-                                    "--served-model-name", args.model], url(sv))
+                                    "--served-model-name", args.model, "--lanes", str(args.lanes)], url(sv))
         sup.wait_ready([serve], time.monotonic() + 600)
         asyncio.run(round_of(serve.url, args.model, 2, 4))  # warm-up: connections, the lm_head, the kernels
         if args.structured:

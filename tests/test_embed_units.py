@@ -166,12 +166,13 @@ def test_batcher_without_wait_starts_at_once_and_stacks_what_arrives_meanwhile()
     async def go():
         ex = Compute(1)
         b = LogitsBatcher(compute, ex, max_batch=64)  # max_wait defaults to 0
-        first = asyncio.ensure_future(b.submit(np.ones(2, np.float32), lambda r: r.copy()))
+        # two rows: off the loop (a lone one-row batch would be computed in the loop: INLINE_ROWS)
+        first = asyncio.ensure_future(b.submit_rows(np.ones((2, 2), np.float32), lambda r: r[0].copy()))
         for _ in range(100):
             if calls:
                 break
             await asyncio.sleep(0.01)
-        assert calls == [1]  # started alone, without waiting for company
+        assert calls == [2]  # started alone, without waiting for company
         rest = [asyncio.ensure_future(b.submit(np.full(2, i, np.float32), lambda r: r.copy())) for i in range(5)]
         await asyncio.sleep(0.05)
         gate.set()
@@ -180,7 +181,7 @@ def test_batcher_without_wait_starts_at_once_and_stacks_what_arrives_meanwhile()
         return outs
 
     outs = asyncio.run(go())
-    assert calls == [1, 5]  # the five that came during the first product: one product
+    assert calls == [2, 5]  # the five that came during the first product: one product
     np.testing.assert_array_equal(outs[3], np.full(2, 4, np.float32))
 
 
@@ -233,7 +234,7 @@ def test_batcher_does_not_block_the_loop():
     async def go():
         ex = Compute(1)
         b = LogitsBatcher(slow, ex, max_wait=0)
-        task = asyncio.ensure_future(b.submit(np.ones(2, np.float32), lambda r: "done"))
+        task = asyncio.ensure_future(b.submit_rows(np.ones((2, 2), np.float32), lambda r: "done"))
         await asyncio.sleep(0.05)
         assert not task.done()  # the product is still running, yet this coroutine runs
         gate.set()
@@ -242,6 +243,31 @@ def test_batcher_does_not_block_the_loop():
         return out
 
     assert asyncio.run(go()) == "done"
+
+
+def test_a_lone_row_is_computed_in_the_loop_and_company_goes_to_the_compute_thread():
+    """INLINE_ROWS: one row with the compute thread idle is computed in the event loop's thread (no
+    hand-off); rows that arrive together still form one product, in the compute thread."""
+    where: list[tuple[int, str]] = []
+
+    def compute(x):
+        where.append((x.shape[0], threading.current_thread().name))
+        return x * 2
+
+    async def go():
+        ex = Compute(1, name="compute")
+        b = LogitsBatcher(compute, ex, max_wait=0)
+        one = await b.submit(np.ones(2, np.float32), lambda r: r.copy())
+        many = await asyncio.gather(*(b.submit(np.full(2, i, np.float32), lambda r: r.copy()) for i in range(3)))
+        ex.shutdown()
+        return one, many
+
+    one, many = asyncio.run(go())
+    loop_thread = threading.current_thread().name  # asyncio.run runs the loop in this thread
+    assert where[0] == (1, loop_thread)
+    assert where[1][0] == 3 and where[1][1].startswith("compute")  # the three together, off the loop
+    np.testing.assert_array_equal(one, np.full(2, 2, np.float32))
+    assert [float(m[0]) for m in many] == [0.0, 2.0, 4.0]
 
 
 # -- HTTP helpers -----------------------------------------------------------------------------------

@@ -146,6 +146,11 @@ class _Lib:
             tr = b.ggml_get_type_traits(t).contents
             if name != "f32":
                 self.to_float[name] = _TO_FLOAT(tr.to_float)
+        # ggml-cpu's own f16 -> f32 row converter (F16C/NEON where the CPU has them): the type traits'
+        # to_float above is ggml-base's scalar reference loop (0.7 G values/s here; this one 3.6). Same
+        # values (f16 -> f32 is exact); it decodes f16 rows (`CompactMatrix.rows`) and tiles (DESIGN.md §4).
+        if hasattr(c, "ggml_cpu_fp16_to_fp32"):
+            self.to_float["f16"] = _TO_FLOAT(("ggml_cpu_fp16_to_fp32", c))
         self.features = {f: bool(getattr(c, f"ggml_cpu_has_{f}")()) for f in _CPU_FEATURES
                          if hasattr(c, f"ggml_cpu_has_{f}")}
 

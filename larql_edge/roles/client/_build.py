@@ -63,9 +63,12 @@ def build_model(args: argparse.Namespace, hops: HopLog | None = None):
     remote = bool(args.embed or args.ffn)
     threads = args.blas_threads or (1 if remote else None)
     if threads:
-        from threadpoolctl import threadpool_limits
+        from larql_edge.service.serving import pin_blas
 
-        threadpool_limits(threads)
+        # BLAS and the kernels' threads together (one knob): a remote client's graphs at the CPU count
+        # spin ggml's barrier per node beside the grid's roles (measured: 2.1 vs 6.7 tok/s for the
+        # previous code's client on a loaded 2-core box, benchmarks/results/grid.txt)
+        pin_blas(threads)
     vx = Vindex.open(args.vindex)
     if remote:
         settings_from_args(args)  # https:// tiers: verified against --tls-ca, with --tls-cert for mutual TLS
