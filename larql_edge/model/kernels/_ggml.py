@@ -96,12 +96,7 @@ class _Lib:
         if libdir is None:
             raise KernelError(f"libggml-python at {root} has no libggml-base{ext}")
         self.path = libdir
-        try:
-            from importlib.metadata import version
-
-            self.version = version("libggml-python")
-        except Exception:  # noqa: BLE001 - a copy without package metadata
-            self.version = "unknown"
+        self.version, self.build = _wheel_build()
         self.base = C.CDLL(str(libdir / f"libggml-base{ext}"), mode=C.RTLD_GLOBAL)
         self.cpu = C.CDLL(str(libdir / f"libggml-cpu{ext}"), mode=C.RTLD_GLOBAL)
         b, c = self.base, self.cpu
@@ -189,9 +184,32 @@ class _Lib:
         return {
             "library": "ggml (libggml-python)",
             "version": f"{self.base.ggml_version().decode()} (wheel {self.version}, commit {self.base.ggml_commit().decode()})",
+            "build": self.build,
             "path": str(self.path),
             "cpu_features": sorted(f for f, on in self.features.items() if on),
         }
+
+
+def _wheel_build() -> tuple[str, str]:
+    """The libggml-python version and how its libraries were built: ``prebuilt`` (a published wheel,
+    portable: its platform tag is manylinux/musllinux/macosx/win) or ``native`` (compiled on this
+    machine from the sdist, e.g. by ``LARQL_GGML=native scripts/setup``: tagged plain ``linux_*``)."""
+    try:
+        from importlib.metadata import distribution
+
+        dist = distribution("libggml-python")
+        tags = [ln.split(":", 1)[1].strip() for ln in (dist.read_text("WHEEL") or "").splitlines() if ln.startswith("Tag:")]
+    except Exception:  # noqa: BLE001 - a copy without package metadata
+        return "unknown", "unknown"
+    return dist.version, build_kind(tags)
+
+
+def build_kind(wheel_tags: list[str]) -> str:
+    """``prebuilt`` for a published (portable) platform tag, ``native`` for a plain local one."""
+    if not wheel_tags:
+        return "unknown"
+    portable = any(t.rsplit("-", 1)[-1].startswith(("manylinux", "musllinux", "macosx", "win")) for t in wheel_tags)
+    return "prebuilt" if portable else "native"
 
 
 _lib_lock = threading.Lock()

@@ -28,7 +28,7 @@ def run(args: argparse.Namespace) -> int:
             print(json.dumps(b, indent=2))
         else:
             print(f"Backend     {b['backend']}")
-            for key, label in (("library", "Library"), ("version", "Version"), ("path", "Path"),
+            for key, label in (("library", "Library"), ("version", "Version"), ("build", "Build"), ("path", "Path"),
                                ("cpu_features", "CPU"), ("threads", "Threads")):
                 if key in b:
                     v = b[key]
