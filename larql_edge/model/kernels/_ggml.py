@@ -193,7 +193,7 @@ class _Lib:
 def _wheel_build() -> tuple[str, str]:
     """The libggml-python version and how its libraries were built: ``prebuilt`` (a published wheel,
     portable: its platform tag is manylinux/musllinux/macosx/win) or ``native`` (compiled on this
-    machine from the sdist, e.g. by ``LARQL_GGML=native scripts/setup``: tagged plain ``linux_*``)."""
+    machine from the sdist (`pip wheel --no-binary libggml-python`): tagged plain ``linux_*``)."""
     try:
         from importlib.metadata import distribution
 
