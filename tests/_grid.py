@@ -78,6 +78,20 @@ def wait_grid(router_url: str, *, complete: bool = True, embed: int = 0, members
     raise TimeoutError(f"grid at {router_url} not as expected after {timeout}s: {view}")
 
 
+def wait_metrics(url: str, *names: str, timeout: float = 30.0, until=None) -> str:
+    """GET /metrics until every series named is in it (and ``until(text)`` holds): a reply's figures
+    reach Prometheus at a flush, which every scrape also makes, so this is a wait on the condition
+    in place of sleeping past the 1 s flusher."""
+    deadline = time.monotonic() + timeout
+    text = ""
+    while time.monotonic() < deadline:
+        text = httpx.get(url + "/metrics", timeout=10).text
+        if all(n in text for n in names) and (until is None or until(text)):
+            return text
+        time.sleep(0.05)
+    return text  # the caller's assertions say what is missing
+
+
 def larql(*args: str, timeout: float = 120.0, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([*console_script("larql"), *args], capture_output=True, text=True, timeout=timeout,
                           env=server_env(**(env or {})), stdin=subprocess.DEVNULL)
