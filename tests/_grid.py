@@ -201,9 +201,9 @@ class StubEmbed:
 
 
 def start_grid(procs: Procs, vindex: Path, ranges: list[str], *, replicas: int = 1, embed_vindex: Path | None = None,
-               router_port: int | None = None, timeout: float = 120.0) -> dict:
+               router_port: int | None = None, router_args: tuple[str, ...] = (), timeout: float = 120.0) -> dict:
     """Embed server + router + shards (each range ``replicas`` times), all joined; waits for full coverage."""
-    router = procs.router(port=router_port)
+    router = procs.router(*router_args, port=router_port)
     router.wait_ready(30)
     embed = procs.start("embed", "larql-embed", str(embed_vindex or vindex), "--blas-threads", "1", "--hot-cache", "64",
                         "--join", router.url)
