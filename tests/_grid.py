@@ -78,6 +78,20 @@ def wait_grid(router_url: str, *, complete: bool = True, embed: int = 0, members
     raise TimeoutError(f"grid at {router_url} not as expected after {timeout}s: {view}")
 
 
+def wait_metrics(url: str, *names: str, timeout: float = 30.0, until=None) -> str:
+    """GET /metrics until every series named is in it (and ``until(text)`` holds): a reply's figures
+    reach Prometheus at a flush, which every scrape also makes, so this is a wait on the condition
+    in place of sleeping past the 1 s flusher."""
+    deadline = time.monotonic() + timeout
+    text = ""
+    while time.monotonic() < deadline:
+        text = httpx.get(url + "/metrics", timeout=10).text
+        if all(n in text for n in names) and (until is None or until(text)):
+            return text
+        time.sleep(0.05)
+    return text  # the caller's assertions say what is missing
+
+
 def larql(*args: str, timeout: float = 120.0, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([*console_script("larql"), *args], capture_output=True, text=True, timeout=timeout,
                           env=server_env(**(env or {})), stdin=subprocess.DEVNULL)
@@ -111,6 +125,9 @@ class StubEmbed:
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+            # The head and the body are two writes: with Nagle's algorithm the body waited for the
+            # client's delayed ACK of the head, ~40 ms a reply (2.8 s of a 3 s test).
+            disable_nagle_algorithm = True
 
             def log_message(self, *a):
                 pass
@@ -187,9 +204,9 @@ class StubEmbed:
 
 
 def start_grid(procs: Procs, vindex: Path, ranges: list[str], *, replicas: int = 1, embed_vindex: Path | None = None,
-               router_port: int | None = None, timeout: float = 120.0) -> dict:
+               router_port: int | None = None, router_args: tuple[str, ...] = (), timeout: float = 120.0) -> dict:
     """Embed server + router + shards (each range ``replicas`` times), all joined; waits for full coverage."""
-    router = procs.router(port=router_port)
+    router = procs.router(*router_args, port=router_port)
     router.wait_ready(30)
     embed = procs.start("embed", "larql-embed", str(embed_vindex or vindex), "--blas-threads", "1", "--hot-cache", "64",
                         "--join", router.url)

@@ -2,9 +2,9 @@
 
 Tiers: ``-m "not slow"`` is the fast tier: in-process (servers run in threads, CLIs through their
 ``main``), no subprocess at all (`_no_subprocess_in_the_fast_tier` fails a test that starts one),
-tiny models generated in-test. `TEST_WORKERS=2 scripts/test -m "not slow"` runs it on 2 pytest-xdist
-workers, a test file per worker at a time (module fixtures are built once; tests must not share
-ports, files or environment across files). ``slow`` is added to every test marked ``real_model``, ``multiprocess`` or
+tiny models generated in-test. `scripts/test -m "not slow"` runs it on 2 pytest-xdist workers
+(`TEST_WORKERS=1`: one process), a test file per worker at a time (module fixtures are built once;
+tests must not share ports, files or environment across files). ``slow`` is added to every test marked ``real_model``, ``multiprocess`` or
 ``docker``, and to every test that uses a real-model fixture; an in-process test that takes tens of
 seconds (schemathesis fuzzing, Hub round trips of whole vindexes) or several seconds of CPU (thousands
 of sampled generations) carries ``slow`` itself (`scripts/test` lists the slowest tests of a run: look
@@ -28,7 +28,7 @@ import pytest
 DATA = Path(__file__).parent / "data"
 GOLDEN = {"gemma3-270m": DATA / "golden" / "gemma-3-270m.json", "smollm2-135m": DATA / "golden" / "smollm2-135m-instruct.json"}
 TIER_MARKERS = ("real_model", "multiprocess", "docker")
-REAL_MODEL_FIXTURES = {"gemma_f32", "gemma_f16", "smol_f32", "smol_f16"}
+REAL_MODEL_FIXTURES = {"gemma_f32", "gemma_f16", "smol_f32", "smol_f16", "real_grid_f32"}
 # What the environment of a test may not carry in from the shell (flag twins, Hub settings, metrics).
 ISOLATED_PREFIXES = ("LARQL_", "HF_", "HUGGINGFACE_")
 ISOLATED = ("PROMETHEUS_MULTIPROC_DIR",)
@@ -169,6 +169,37 @@ def smol_f32() -> Path:
 @pytest.fixture(scope="session")
 def smol_f16() -> Path:
     return _real_vindex("smollm2-135m", "f16")
+
+
+@pytest.fixture(scope="session")
+def real_grid_f32(tmp_path_factory):
+    """``real_grid_f32(alias, vindex)``: the grid of processes of a real model's f32 vindex (router,
+    embed server, its layers in 2 even FFN ranges), started on first use and shared by every module
+    that only generates through it (test_grid_three_tier, test_serve_api_real, test_serve_real,
+    test_serve_structured_real): one start-up per model for the session instead of one per module.
+    It lives through the CPU-hog tests, where a heartbeat can be late, so its router evicts a member
+    only after 10 s without one (those tests are not about this grid); and it is complete again
+    before it is handed out."""
+    from contextlib import ExitStack
+
+    from larql_edge.format.layers import split_even
+    from larql_edge.format.vindex import Vindex
+    from tests._grid import Procs, start_grid, wait_grid
+
+    grids: dict[str, dict] = {}
+    with ExitStack() as stack:
+        def get(alias: str, vindex: Path) -> dict:
+            if alias in grids:
+                assert grids[alias]["vindex"] == vindex, (alias, vindex)
+                wait_grid(grids[alias]["router"].url, embed=1, timeout=120)
+                return grids[alias]
+            procs = stack.enter_context(Procs(tmp_path_factory.mktemp(f"grid-{alias}")))
+            ranges = [str(r) for r in split_even(Vindex.open(vindex).num_layers, 2)]
+            g = start_grid(procs, vindex, ranges, router_args=("--evict-after", "10"), timeout=600)
+            grids[alias] = dict(g, vindex=vindex, procs=procs)
+            return grids[alias]
+
+        yield get
 
 
 @pytest.fixture(scope="session")

@@ -19,14 +19,12 @@ MODELS = {"gemma3-270m": "gemma_f32", "smollm2-135m": "smol_f32"}
 
 
 @pytest.fixture(scope="module", params=list(MODELS))
-def real(request):
+def real(request, real_grid_f32):
     vindex = request.getfixturevalue(MODELS[request.param])
-    n = Vindex.open(vindex).num_layers
-    with Procs() as procs:
-        g = start_grid(procs, vindex, [str(r) for r in split_even(n, 2)], timeout=600)
-        g.update(name=request.param, vindex=vindex, local=Transformer.local(vindex),
-                 remote=build_remote(Vindex.open(vindex), remote_args(ffn=g["router"].url, timeout=120)))
-        yield g
+    g = dict(real_grid_f32(request.param, vindex))  # its layers in 2 even ranges
+    g.update(name=request.param, local=Transformer.local(vindex),
+             remote=build_remote(Vindex.open(vindex), remote_args(ffn=g["router"].url, timeout=120)))
+    return g
 
 
 def _prompts(golden, name):

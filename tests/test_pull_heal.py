@@ -417,6 +417,7 @@ class _NoRangeHandler:
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+            disable_nagle_algorithm = True  # head and body are two writes (tests/_grid.py StubEmbed)
 
             def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
                 self.send_response(200)

@@ -20,6 +20,7 @@ from larql_edge.roles.serve.app import Limits, create_app, remote_engine, served
 from larql_edge.roles.serve.chat import ChatTemplate
 from larql_edge.testing.servers import ServerThread
 from tests import _inproc
+from tests._grid import wait_metrics
 
 PROMPTS = [[1, 5, 9], [2, 3], [7, 8, 9, 10, 11, 12], [4], [13, 14, 15, 16], [6, 6, 6, 6, 6, 6, 6, 6, 6], [20, 21], [30]]
 TEMPLATE = ("{{ bos_token }}{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
@@ -315,13 +316,13 @@ def test_beyond_the_admission_limits_429_with_retry_after_and_a_disconnect_frees
 
 def test_metrics_export_the_serve_series(serve):
     _complete(serve.url, prompt="a b", max_tokens=3)
-    time.sleep(1.2)
-    text = httpx.get(serve.url + "/metrics").text
-    for name in ("larql_serve_active_sequences", "larql_serve_queued_sequences",
-                 "larql_serve_time_to_first_token_seconds_bucket", "larql_serve_inter_token_latency_seconds_bucket",
-                 "larql_serve_generated_tokens_total", "larql_serve_prompt_tokens_total", "larql_serve_requests_total",
-                 "larql_serve_request_duration_seconds_bucket", "larql_serve_resident_memory_bytes",
-                 "larql_serve_inflight"):
+    names = ("larql_serve_active_sequences", "larql_serve_queued_sequences",
+             "larql_serve_time_to_first_token_seconds_bucket", "larql_serve_inter_token_latency_seconds_bucket",
+             "larql_serve_generated_tokens_total", "larql_serve_prompt_tokens_total", "larql_serve_requests_total",
+             "larql_serve_request_duration_seconds_bucket", "larql_serve_resident_memory_bytes",
+             "larql_serve_inflight")
+    text = wait_metrics(serve.url, *names)
+    for name in names:
         assert name in text, name
 
 

@@ -12,7 +12,7 @@ import numpy as np
 import openai
 import pytest
 
-from tests._grid import Procs, start_grid
+from tests._grid import Procs
 from tests.test_serve_api import ids_by_text
 
 pytestmark = pytest.mark.slow
@@ -21,16 +21,16 @@ MODEL = "gemma3-270m"
 
 
 @pytest.fixture(scope="module")
-def real(gemma_f32, tmp_path_factory):
+def real(gemma_f32, real_grid_f32, tmp_path_factory):
+    g = real_grid_f32("gemma3-270m", gemma_f32)
     with Procs(tmp_path_factory.mktemp("serve-api")) as procs:
-        g = start_grid(procs, gemma_f32, ["0-8", "9-17"], timeout=300)
         common = ["--ffn", g["router"].url, "--blas-threads", "1", "--served-model-name", MODEL, "--max-active", "4",
                   "--context", "512"]
         on = procs.start("serve-cache", "larql-serve", str(gemma_f32), *common, env={"LARQL_API_KEY": KEY})
         off = procs.start("serve-nocache", "larql-serve", str(gemma_f32), *common, "--prefix-cache-mb", "0")
         on.wait_ready(300)
         off.wait_ready(300)
-        yield {"on": on, "off": off, "vindex": gemma_f32, "procs": procs,
+        yield {"on": on, "off": off, "vindex": gemma_f32, "procs": procs, "grid_procs": g["procs"],
                "client": openai.OpenAI(base_url=on.url + "/v1", api_key=KEY, max_retries=0, timeout=600),
                "uncached": openai.OpenAI(base_url=off.url + "/v1", api_key="unused", max_retries=0, timeout=600)}
 
@@ -133,4 +133,4 @@ def test_api_keys_with_the_openai_client_and_a_200_mib_body_costs_nothing(real):
                   b"Content-Length: %d\r\n\r\n" % (200 << 20))
         reply = s.recv(65536)  # not one byte of the body was sent
     assert reply.startswith(b"HTTP/1.1 401")
-    assert KEY not in real["procs"].logs()
+    assert KEY not in real["procs"].logs() and KEY not in real["grid_procs"].logs()

@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from tests._grid import Procs, larql, start_grid
+from tests._grid import Procs, larql
 
 pytestmark = pytest.mark.slow
 
@@ -25,9 +25,9 @@ def _serve(procs: Procs, vindex: Path, router_url: str, *args: str):
 
 
 @pytest.fixture(scope="module")
-def gemma(gemma_f32, tmp_path_factory):
+def gemma(gemma_f32, real_grid_f32, tmp_path_factory):
+    g = real_grid_f32("gemma3-270m", gemma_f32)  # layers 0-8 and 9-17
     with Procs(tmp_path_factory.mktemp("serve-gemma")) as procs:
-        g = start_grid(procs, gemma_f32, ["0-8", "9-17"], timeout=300)
         s = _serve(procs, gemma_f32, g["router"].url, "--served-model-name", "gemma3-270m", "--max-active", "8",
                    "--max-queue", "12", "--context", "512")
         client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=300)
@@ -162,7 +162,7 @@ def test_disconnecting_10_of_20_streams_frees_them_the_others_finish_and_beyond_
 
 
 @pytest.fixture(scope="module")
-def smol(smol_f32, tmp_path_factory):
+def smol(smol_f32, real_grid_f32, tmp_path_factory):
     """SmolLM2 with its chat template: the vindex's files plus a tokenizer_config.json from its GGUF (what the
     extractor writes; written here should this vindex predate it)."""
     import gguf
@@ -186,8 +186,8 @@ def smol(smol_f32, tmp_path_factory):
         (vx / "tokenizer_config.json").write_text(json.dumps({
             "chat_template": bytes(field.parts[field.data[0]]).decode(),
             "bos_token": token("tokenizer.ggml.bos_token_id"), "eos_token": token("tokenizer.ggml.eos_token_id")}))
+    g = real_grid_f32("smollm2-135m", smol_f32)  # layers 0-14 and 15-29
     with Procs(tmp_path_factory.mktemp("serve-smol")) as procs:
-        g = start_grid(procs, smol_f32, ["0-14", "15-29"], timeout=300)
         s = _serve(procs, vx, g["router"].url, "--max-active", "2", "--context", "512")
         yield openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=300)
 

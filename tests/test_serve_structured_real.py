@@ -14,10 +14,8 @@ import jsonschema
 import openai
 import pytest
 
-from larql_edge.format.layers import split_even
-from larql_edge.format.vindex import Vindex
 from larql_edge.testing.schemas import PROMPTS, SCHEMAS
-from tests._grid import Procs, start_grid
+from tests._grid import Procs
 
 # A 20-schema round is minutes of decoding on a shared 2-core machine: beyond the suite's 900 s default.
 pytestmark = [pytest.mark.real_model, pytest.mark.multiprocess, pytest.mark.timeout(3600)]
@@ -31,7 +29,7 @@ MAX_TOKENS = 200
 
 
 @pytest.fixture(scope="module", params=["gemma3-270m", "smollm2-135m"])
-def served(request, tmp_path_factory):
+def served(request, tmp_path_factory, real_grid_f32):
     alias = request.param
     vindex = request.getfixturevalue("gemma_f32" if alias.startswith("gemma") else "smol_f32")
     root = tmp_path_factory.mktemp(f"structured-{alias}")
@@ -39,8 +37,8 @@ def served(request, tmp_path_factory):
     if alias.startswith("gemma"):
         (root / "gemma.jinja").write_text(GEMMA_TEMPLATE)
         extra = ["--chat-template", str(root / "gemma.jinja")]
+    g = real_grid_f32(alias, vindex)  # its layers in 2 even ranges
     with Procs(root) as procs:
-        g = start_grid(procs, vindex, [str(r) for r in split_even(Vindex.open(vindex).num_layers, 2)], timeout=300)
         s = procs.start("serve", "larql-serve", str(vindex), "--ffn", g["router"].url, "--blas-threads", "1",
                         "--served-model-name", alias, "--max-active", "8", "--context", "1024", *extra)
         s.wait_ready(300)

@@ -16,6 +16,7 @@ from larql_edge.format.vindex import Vindex
 from larql_edge.model import speculative as sp
 from larql_edge.model.forward import Transformer
 from larql_edge.model.speculative import AdaptiveK, Dist, Draft, ModelDrafter, NgramDrafter
+from tests._grid import wait_metrics
 
 # Repeats an n-gram (2 4 5 6) so that prompt lookup has something to draft; longer than the tiny
 # Gemma's sliding window (4), so rollback crosses it.
@@ -272,6 +273,12 @@ def _serve_app(vx_path, router_url, speculation):
     return ServerThread(create_app(engine, served, Limits(context=96, max_active=8), speculation=speculation))
 
 
+def _sample(metrics: str, name: str) -> float | None:
+    """The value of the first sample of ``name`` in a Prometheus text page (None: not there)."""
+    lines = [line for line in metrics.splitlines() if line.startswith(name)]
+    return float(lines[0].split()[-1]) if lines else None
+
+
 def test_serve_speculation_gives_the_tokens_without_it_for_8_concurrent_streams(tiny_models):
     from concurrent.futures import ThreadPoolExecutor
 
@@ -294,10 +301,8 @@ def test_serve_speculation_gives_the_tokens_without_it_for_8_concurrent_streams(
             with ThreadPoolExecutor(8) as pool:
                 got = list(pool.map(lambda p: run(on.url, p), SERVE_PROMPTS))
             stats = httpx.get(on.url + "/v1/stats").json()
-            import time
-
-            time.sleep(1.2)  # the metrics flusher
-            metrics = httpx.get(on.url + "/metrics").text
+            metrics = wait_metrics(on.url, "larql_serve_step_positions_bucket", until=lambda t: _sample(
+                t, "larql_serve_speculative_drafted_tokens_total") == stats["scheduler"]["speculation"]["drafted_tokens"])
     assert [g[:2] for g in got] == [w[:2] for w in want]
     for g_, w in zip(got, want, strict=True):
         np.testing.assert_allclose(g_[2], w[2], atol=1e-4)
@@ -312,15 +317,13 @@ def test_serve_speculation_gives_the_tokens_without_it_for_8_concurrent_streams(
     for name in ("larql_serve_speculative_drafted_tokens_total", "larql_serve_speculative_accepted_tokens_total",
                  "larql_serve_step_positions_bucket"):
         assert name in metrics, name
-    drafted = [line for line in metrics.splitlines() if line.startswith("larql_serve_speculative_drafted_tokens_total")]
-    assert float(drafted[0].split()[-1]) == spec["drafted_tokens"]
+    assert _sample(metrics, "larql_serve_speculative_drafted_tokens_total") == spec["drafted_tokens"]
 
 
 def test_serve_with_a_draft_model_gives_the_tokens_without_speculation(tiny_models):
     """``larql-serve --draft VINDEX``: each sequence drafts from the small model (here the same one, a
     perfect drafter) with a KV cache of its own; 8 concurrent streams give the tokens of plain decoding,
     drafts are mostly kept, and the draft model's time is exported."""
-    import time
     from concurrent.futures import ThreadPoolExecutor
 
     import httpx
@@ -341,14 +344,12 @@ def test_serve_with_a_draft_model_gives_the_tokens_without_speculation(tiny_mode
             with ThreadPoolExecutor(8) as pool:
                 got = list(pool.map(lambda p: run(on.url, p), SERVE_PROMPTS))
             stats = httpx.get(on.url + "/v1/stats").json()
-            time.sleep(1.2)  # the metrics flusher
-            metrics = httpx.get(on.url + "/metrics").text
+            metrics = wait_metrics(on.url, until=lambda t: (_sample(t, "larql_serve_draft_seconds_count") or 0) > 0)
     assert got == want
     assert stats["speculation"]["drafter"] == "model" and stats["speculation"]["draft"] == str(v)
     spec = stats["scheduler"]["speculation"]
     assert spec["drafted_tokens"] > 0 and spec["accepted_tokens"] >= 0.9 * spec["drafted_tokens"], spec
-    count = [line for line in metrics.splitlines() if line.startswith("larql_serve_draft_seconds_count")]
-    assert count and float(count[0].split()[-1]) > 0, count
+    assert (_sample(metrics, "larql_serve_draft_seconds_count") or 0) > 0, metrics
 
 
 @pytest.mark.parametrize("args, message", [

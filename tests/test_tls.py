@@ -109,6 +109,7 @@ class _TlsServer:
     def __init__(self, ctx: ssl.SSLContext):
         class Handler(http.server.BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+            disable_nagle_algorithm = True  # head and body are two writes (tests/_grid.py StubEmbed)
 
             def log_message(self, *a):
                 pass
