@@ -234,6 +234,20 @@ def test_the_hedge_budget_bounds_hedges_per_second():
     h.close()
 
 
+def test_a_replica_that_lost_a_race_is_ranked_behind_the_one_that_beat_it():
+    """The winner's moving average may still hold older, slower hops (a loaded host): a lost race
+    alone must put the loser behind it, or the loser stays first for several more hedged hops."""
+    from larql_edge.net.direct import DirectPath
+    from larql_edge.net.h1_sync import HttpClient
+
+    path = DirectPath(HttpClient(), [], 2, enabled=False)
+    path.succeeded("http://fast", 0.9)  # a slow spell in its history
+    path.succeeded("http://slow", 0.05)
+    assert path._live(lambda: ["http://fast", "http://slow"])[0] == "http://slow"
+    path.late("http://slow", 0.3)  # lost a race at 0.3 s to fast
+    assert path._live(lambda: ["http://fast", "http://slow"]) == ["http://fast", "http://slow"]
+
+
 def test_a_stalled_primary_is_given_up_at_the_stall_bound_and_its_replica_reported_slow_at_once():
     """Issue #19: a frozen replica (SIGSTOP) held a hop for the whole request timeout when fewer than
     MIN_SAMPLES hops had been seen or the budget was spent. A request past the stall bound (learned

@@ -104,9 +104,13 @@ class DirectPath:
         self.ema[url] = seconds if prev is None else prev + EMA * (seconds - prev)
 
     def late(self, url: str, seconds: float) -> None:
-        """A request that lost a hedge took this long: it counts against its shard's speed."""
+        """A request that lost a hedge (or stalled) took this long: it counts against its shard's speed,
+        and the shard is ranked behind every other one known. Its elapsed time alone is not enough:
+        on a loaded host the winner's moving average can still hold older, slower hops, and the
+        loser would stay first for several more hedged hops."""
         prev = self.ema.get(url, seconds)
-        self.ema[url] = max(prev, seconds)
+        others = max((v for u, v in self.ema.items() if u != url), default=0.0)
+        self.ema[url] = max(prev, seconds, others * 1.01)
 
     def failed(self, url: str) -> None:
         if not self.is_direct(url):
