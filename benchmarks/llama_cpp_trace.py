@@ -197,6 +197,7 @@ def graph_tensors(alias: str, ids: list[int], feed: list[int]) -> dict:
 def compare_ops(theirs: dict, ours: dict, n_prompt: int, layers: int) -> list[str]:
     """Per step: logits bitwise or not, then every named op (llama.cpp's order) whose result differs."""
     lines = []
+    parted = False  # an earlier step differed: the keys and values it cached do too
     for st, (a, b) in enumerate(zip(theirs["logits"], ours["logits"], strict=True)):
         top = np.argsort(a)[-2:]
         lines.append(f"step {st} ({'prefill of %d rows' % n_prompt if st == 0 else 'decode'}): logits bitwise equal on "
@@ -233,11 +234,13 @@ def compare_ops(theirs: dict, ours: dict, n_prompt: int, layers: int) -> list[st
             eq = float(np.mean(x == y))
             li = int(n.rsplit("-", 1)[1]) if n[-1].isdigit() else -1
             if eq < 1 and (li < layers or shown == 0):
-                lines.append(f"  {n:<18} equal {eq:7.2%}  max |diff| {np.abs(x - y).max():.3g}"
-                             + ("   <- the first op that differs" if shown == 0 else ""))
+                first = ("   <- the first op that differs" + (", on a KV cache that already differs" if parted else "")
+                         if shown == 0 else "")
+                lines.append(f"  {n:<18} equal {eq:7.2%}  max |diff| {np.abs(x - y).max():.3g}{first}")
                 shown += 1
         if shown == 0:
             lines.append("  every op compared is bitwise equal")
+        parted = parted or shown > 0
     return lines
 
 
