@@ -8,7 +8,8 @@ Measured in one process, medians over ``--tokens`` decode steps at ~40 positions
 - each weight product alone (a one-node ggml graph per matrix, 1 row), summed per kind;
 - attention and elementwise ops: the layers' compute minus their products;
 - Python around the graph: the step minus the compute;
-- the same step product by product (``LARQL_GRAPH=off``: numpy glue between ggml products).
+- the same step product by product (``LARQL_GRAPH=off``: numpy glue between ggml products);
+- the graph on the stored block bytes against the default (ggml's repacked Q4_K copies), alternating.
 """
 
 from __future__ import annotations
@@ -119,6 +120,26 @@ def main() -> int:
         lg = off.next_logits([int(np.argmax(lg))], c3)
         ts.append(time.perf_counter() - t)
 
+    # the same step with the graph on the stored block bytes (no repacked copies, as before the graph
+    # took ggml's repacked Q4_K: DESIGN.md §4.1), alternating with the default in rounds
+    from larql_edge.model.kernels import _matrix
+
+    _matrix.REPACK = False
+    try:
+        stored = Transformer.local(path)
+        state = {"stored": [stored, stored.new_cache(), None, []], "repacked": [m, m.new_cache(), None, []]}
+        for v in state.values():
+            v[2] = v[0].next_logits(prompt, v[1])
+    finally:
+        _matrix.REPACK = True
+    for _ in range(3):
+        for v in state.values():
+            for _ in range(args.tokens // 2):
+                t = time.perf_counter()
+                v[2] = v[0].next_logits([int(np.argmax(v[2]))], v[1])
+                v[3].append(time.perf_counter() - t)
+    ab = {k: med(v[3]) for k, v in state.items()}
+
     step, comp, lay = med(steps), med(head_compute), med(layer_compute)
     prods = sum(per_kind.values())
     n = m.spec.num_layers
@@ -133,6 +154,8 @@ def main() -> int:
     print(f"      attention, norms, RoPE, GLU, adds {lay - prods:7.2f}   ({(lay - prods) / n * 1e3:.0f} us per layer)")
     print(f"  Python around the graph               {step - comp:7.2f}")
     print(f"  product by product (LARQL_GRAPH=off)  {med(ts):7.2f}   {1e3 / med(ts):5.1f} tok/s")
+    print(f"  graph on the stored bytes vs on ggml's repacked copies (alternating rounds): "
+          f"{ab['stored']:.2f} vs {ab['repacked']:.2f} ms ({ab['stored'] / ab['repacked']:.2f}x)")
     return 0
 
 

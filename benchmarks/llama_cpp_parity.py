@@ -1,8 +1,8 @@
 """Greedy continuations of larql-edge's quantized vindexes against llama.cpp's on the same GGUF.
 
     python benchmarks/llama_cpp_parity.py [--tokens 32] [--quants gguf,q4k] [--no-extra-buffers] [--flash-attn]
-                                          [--out benchmarks/results/llama_cpp_parity.txt]
-    python benchmarks/llama_cpp_parity.py --write-golden tests/data/llama_cpp_greedy.json
+                                          [--no-tiled-mm] [--out benchmarks/results/llama_cpp_parity.txt]
+    python benchmarks/llama_cpp_parity.py --write-golden tests/data/llama_cpp_greedy.json [--build "CMAKE_ARGS"]
 
 Needs ``llama_cpp`` (llama-cpp-python; it compiles from its sdist, ~11-20 min on 2 cores:
 ``pip wheel --no-deps llama-cpp-python``), which the project does not depend on. For each prompt of
@@ -19,7 +19,15 @@ against the golden file by the same rule (its agreement with itself under this r
 llama.cpp's defaults are kept unless a flag says otherwise: ``--no-extra-buffers`` turns off its extra
 weight buffer types (CPU_REPACK / AMX: repacked weights with their own kernels; llama-cpp-python 0.3.36's
 AMX path segfaults in decode on this container's Sapphire Rapids CPU, so runs here need it),
-``--flash-attn`` turns on flash attention (llama-cli's default is auto, llama-cpp-python's off).
+``--flash-attn`` turns on flash attention (llama-cli's default is auto, llama-cpp-python's off),
+``--no-tiled-mm`` sets ``GGML_CPU_TILED_MM=0``: ggml 0.25's tiled K-quant kernel for products of >= 8
+rows (a prompt's prefill; Q6_K here), which the libggml-python wheel (ggml 0.20) does not have.
+
+The reference build (DESIGN.md §4.1): llama-cpp-python built with the ISA of the libggml-python wheel
+our kernels come from (CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON
+-DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=OFF -DGGML_LLAMAFILE=OFF -DGGML_AMX_TILE=OFF
+-DGGML_AMX_INT8=OFF" pip wheel --no-deps llama-cpp-python==0.3.36), so that both sides run ggml's AVX2
+kernels; a native build (AVX-512, llamafile's tinyBLAS) sums attention in other orders.
 """
 
 from __future__ import annotations
@@ -94,6 +102,28 @@ def llama_cpp_greedy(gguf: Path, prompts: list[list[int]], tokens: int, extra_bu
     return out
 
 
+def _llama(fn, *args, **kwargs):
+    """``fn`` run in a fresh process: llama.cpp's libggml (0.25) and the libggml-python wheel's (0.20)
+    share their library names, so in one process one binds the other's symbols."""
+    from concurrent.futures import ProcessPoolExecutor
+    from multiprocessing import get_context
+
+    with ProcessPoolExecutor(1, mp_context=get_context("spawn")) as ex:
+        return ex.submit(fn, *args, **kwargs).result()
+
+
+def _llama_info() -> dict:
+    """llama-cpp-python's version, the ggml inside it (its own libggml-base) and its build's CPU features."""
+    import ctypes
+
+    import llama_cpp
+
+    base = ctypes.CDLL(str(Path(llama_cpp.__file__).parent / "lib" / "libggml-base.so"))
+    base.ggml_version.restype = base.ggml_commit.restype = ctypes.c_char_p
+    return {"version": llama_cpp.__version__, "ggml": f"{base.ggml_version().decode()} (commit {base.ggml_commit().decode()})",
+            "system_info": llama_cpp.llama_print_system_info().decode().strip()}
+
+
 def parting(got: list[int], want: dict) -> str | None:
     """None when ``got`` is llama.cpp's continuation up to a near-tie (where they may part, to its
     runner-up: the rule of tests/test_llama_cpp_parity.py), else why not."""
@@ -118,13 +148,20 @@ def main() -> int:
     ap.add_argument("--no-extra-buffers", dest="extra_buffers", action="store_false",
                     help="llama.cpp without its extra weight buffer types (CPU_REPACK, AMX)")
     ap.add_argument("--flash-attn", action="store_true", help="llama.cpp with flash attention")
+    ap.add_argument("--no-tiled-mm", dest="tiled_mm", action="store_false",
+                    help="llama.cpp without ggml's tiled K-quant products (GGML_CPU_TILED_MM=0)")
+    ap.add_argument("--build", default=os.environ.get("LLAMA_CPP_CMAKE_ARGS", ""),
+                    help="how the llama-cpp-python in use was built (its CMAKE_ARGS), recorded in the golden file")
     args = ap.parse_args()
     settings = dict(extra_buffers=args.extra_buffers, flash_attn=args.flash_attn)
-    try:
-        import llama_cpp
-    except ImportError:
+    if not args.tiled_mm:
+        os.environ["GGML_CPU_TILED_MM"] = "0"  # read once, at ggml's first product
+    import importlib.util
+
+    if importlib.util.find_spec("llama_cpp") is None:
         print("llama_cpp (llama-cpp-python) is not installed: nothing to compare against", file=sys.stderr)
         return 2
+    info = _llama(_llama_info)
     from larql_edge.model.forward import Transformer
     from larql_edge.tools.slicer.cache import cached_vindex
     from larql_edge.tools.slicer.extract import resolve
@@ -132,11 +169,15 @@ def main() -> int:
     if args.write_golden:
         data = {"about": "llama.cpp's greedy continuations of the packaged GGUFs (written by "
                          "benchmarks/llama_cpp_parity.py --write-golden; checked by tests/test_llama_cpp_parity.py)",
-                "llama_cpp_python": llama_cpp.__version__, "tokens": args.tokens, "near_tie": NEAR_TIE, "models": {}}
+                "llama_cpp_python": info["version"], "ggml": info["ggml"], "build": args.build or "unknown",
+                "system_info": info["system_info"],
+                "settings": {"n_threads": 1, "n_ctx": 128, "use_extra_bufts": args.extra_buffers,
+                             "flash_attn": args.flash_attn, "GGML_CPU_TILED_MM": int(args.tiled_mm)},
+                "tokens": args.tokens, "near_tie": NEAR_TIE, "models": {}}
         for alias in MODELS:
             _, gguf = resolve(alias)
             ps = prompts_for(alias)
-            ref = llama_cpp_greedy(Path(gguf), [p["input_ids"] for p in ps], args.tokens, **settings)
+            ref = _llama(llama_cpp_greedy, Path(gguf), [p["input_ids"] for p in ps], args.tokens, **settings)
             data["models"][alias] = {"gguf_file": Path(gguf).name,
                                      "prompts": [{**p, **r} for p, r in zip(ps, ref, strict=True)]}
         Path(args.write_golden).write_text(json.dumps(data, indent=1) + "\n")
@@ -145,14 +186,17 @@ def main() -> int:
 
     golden_file = ROOT / "tests" / "data" / "llama_cpp_greedy.json"
     golden = json.loads(golden_file.read_text())["models"] if golden_file.exists() else {}
-    lines = [f"llama.cpp {llama_cpp.__version__} (llama-cpp-python, 1 thread, {settings}) vs larql-edge (default "
-             f"backend), greedy, {args.tokens} tokens; a parting is allowed where llama.cpp's top-2 margin < "
-             f"{NEAR_TIE}, to its runner-up",
-             f"llama.cpp system info: {llama_cpp.llama_print_system_info().decode().strip()}"]
+    from larql_edge.model.kernels import _ggml
+
+    lines = [f"llama.cpp {info['version']} (llama-cpp-python, ggml {info['ggml']}, 1 thread, "
+             f"{settings | {'tiled_mm': args.tiled_mm}}) vs larql-edge (default backend; ggml "
+             f"{_ggml.lib().info()['version']}), greedy, {args.tokens} tokens; "
+             f"a parting is allowed where llama.cpp's top-2 margin < {NEAR_TIE}, to its runner-up",
+             f"llama.cpp system info: {info['system_info']}" + (f"; built with {args.build}" if args.build else "")]
     for alias in MODELS:
         _, gguf = resolve(alias)
         ps = prompts_for(alias)
-        ref = llama_cpp_greedy(Path(gguf), [p["input_ids"] for p in ps], args.tokens, **settings)
+        ref = _llama(llama_cpp_greedy, Path(gguf), [p["input_ids"] for p in ps], args.tokens, **settings)
         if alias in golden and args.tokens == 32:
             # llama.cpp itself (this run's settings) against the committed golden run, by the same rule
             gp = {p["prompt"]: p for p in golden[alias]["prompts"]}

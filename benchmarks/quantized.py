@@ -121,23 +121,28 @@ def shard_throughput(client_url: str, hidden: int, layers: int, rows: int, secon
 def llama_cpp_rate(gguf_path: Path, tokens: int, prompt: list[int], threads: int, rounds: int) -> tuple[float, list[int]] | None:
     """llama.cpp's greedy decode on the GGUF (llama-cpp-python, its own process): best tokens/s of
     ``rounds`` (prefill excluded, as `_decode_worker`) and the ids; None when llama_cpp is missing."""
-    try:
-        import llama_cpp  # noqa: F401
-    except ImportError:
+    import importlib.util
+
+    # not imported here: its ggml and the libggml-python wheel's share library names (one process, one ggml)
+    if importlib.util.find_spec("llama_cpp") is None:
         return None
     code = (
         "import json, sys, time\n"
         "import numpy as np\n"
+        "import llama_cpp\n"
         "from llama_cpp import Llama\n"
         f"ids = {prompt!r}\n"
         f"m = Llama(model_path={str(gguf_path)!r}, n_threads={threads}, n_threads_batch={threads}, n_ctx=256, "
         "verbose=False, logits_all=False)\n"
+        # with logits_all off, Llama.scores is never filled (0.3.36): the last row's logits from llama.cpp itself
+        "def last():\n"
+        "    return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(m._ctx.ctx, -1), shape=(m.n_vocab(),))\n"
         "best, toks = 0.0, []\n"
         f"for _ in range({rounds}):\n"
         "    m.reset(); m.eval(ids); toks = []\n"
         "    t0 = time.perf_counter()\n"
         f"    for _ in range({tokens}):\n"
-        "        t = int(np.argmax(m.scores[m.n_tokens - 1]))\n"
+        "        t = int(np.argmax(last()))\n"
         "        toks.append(t); m.eval([t])\n"
         f"    best = max(best, {tokens} / (time.perf_counter() - t0))\n"
         "print(json.dumps([best, toks]))\n"

@@ -130,6 +130,26 @@ def test_graph_on_gguf_blocks_is_the_product_by_product_path(quantized):
     np.testing.assert_allclose(g.next_logits([IDS[-1]], cache), a, atol=5e-3 * np.abs(a).max(), rtol=0)
 
 
+def test_trace_names_the_ops_as_llama_cpp_and_changes_no_value(quantized, monkeypatch):
+    """graph.TRACE (benchmarks/llama_cpp_trace.py) gives the graph's tensors llama.cpp's names and keeps
+    every result readable after the compute; the logits stay bit for bit those of an untraced graph."""
+    fam, path = quantized
+    plain = Transformer.local(path).next_logits(IDS)
+    monkeypatch.setattr(G, "TRACE", True)
+    m = Transformer.local(path)
+    traced = m.next_logits(IDS)
+    np.testing.assert_array_equal(traced, plain)
+    step = next(reversed(m.engine()._graphs.values()))
+    n = m.spec.num_layers
+    for name in ("attn_norm-0", "Qcur-0", "Kcur-0", "kq-0", "kq_soft_max-0", "kqv_out-0", "ffn_out-0",
+                 f"l_out-{n - 1}", "result_output"):
+        assert name in step.named, name
+    assert len(step.named["Qcur-0"]) == 2  # after its product and after RoPE, as llama.cpp names both
+    assert ("ffn_geglu-0" if fam == "gemma3" else "ffn_swiglu-0") in step.named
+    kq = step.named["kq-0"][0].contents
+    assert (kq.ne[1], kq.ne[2]) == (len(IDS), m.spec.num_q_heads) and kq.flags & 2  # GGML_TENSOR_FLAG_OUTPUT
+
+
 class _Remote:
     """An FFN provider that is not `LocalFfn` (as the grid client's is), over local weights."""
 

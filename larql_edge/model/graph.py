@@ -37,11 +37,15 @@ from larql_edge.model.kernels._threads import get_threads
 from larql_edge.model.spec import ModelSpec
 
 _F32, _I32 = 0, 26  # ggml_type numbers
-_ROPE_NEOX = 2  # the vindex keeps Hugging Face's q/k row order: rotate-half RoPE (GGML_ROPE_TYPE_NEOX)
+_ROPE_NORM, _ROPE_NEOX = 0, 2  # RoPE on adjacent pairs / on halves (GGML_ROPE_TYPE_NEOX)
 _BUCKET = 32  # attended lengths are rounded up to this: one graph serves this many decode steps
 _CHUNK = 64  # a longer prompt is computed in chunks of this many rows (bounded graph buffers)
 _FIRST_CAPACITY = 256
 _MAX_GRAPHS = 8
+# Tracing (benchmarks/llama_cpp_trace.py): graphs built while this is set name their tensors as
+# llama.cpp's graph does ("Qcur-3", "kq-3", ...) and keep every node's result (all marked outputs, so
+# the allocator reuses no buffer), to be read back after a compute and compared op by op.
+TRACE = False
 
 
 @dataclass
@@ -153,6 +157,16 @@ class _Step:
         self.k_write, self.v_write, self.k_read, self.v_read = [], [], [], []
         gf = self._graph = b.ggml_new_graph_custom(ctx, n_nodes * 2, False)
         cur = inp
+        named: dict[str, list] = {}  # name -> its tensors, in graph order (TRACE only)
+        self.named = named
+
+        def nm(t, name: str, li: int | None = None):
+            if TRACE:
+                full = name if li is None else f"{name}-{li}"
+                b.ggml_set_name(t, full.encode())
+                named.setdefault(full, []).append(t)
+            return t
+
         for li in self.layer_ids:
             lw = eng.layers[li]
             window = s.sliding_window if s.is_sliding(li) else None
@@ -160,16 +174,17 @@ class _Step:
             kc = b.ggml_new_tensor_3d(ctx, kv_type, hd, cap, nkv)
             vc = b.ggml_new_tensor_2d(ctx, kv_type, cap, nkv * hd)
             kc.contents.data = vc.contents.data = 1  # placeholder (never read): views need a non-null base
-            x = eng.norm(ctx, cur, lw.pre_attn)
-            q = b.ggml_reshape_3d(ctx, eng.mm(ctx, lw.q, x), hd, nq, seq)
-            k = b.ggml_reshape_3d(ctx, eng.mm(ctx, lw.k, x), hd, nkv, seq)
-            v = eng.mm(ctx, lw.v, x)  # [nkv*hd, seq]
+            x = nm(eng.norm(ctx, cur, lw.pre_attn), "attn_norm", li)
+            q = b.ggml_reshape_3d(ctx, nm(eng.mm(ctx, lw.q, x), "Qcur", li), hd, nq, seq)
+            k = b.ggml_reshape_3d(ctx, nm(eng.mm(ctx, lw.k, x), "Kcur", li), hd, nkv, seq)
+            v = nm(eng.mm(ctx, lw.v, x), "Vcur", li)  # [nkv*hd, seq]
             if lw.q_norm is not None:
-                q = eng.norm(ctx, q, lw.q_norm, s.rms_norm_eps)
-                k = eng.norm(ctx, k, lw.k_norm, s.rms_norm_eps)
+                q = nm(eng.norm(ctx, q, lw.q_norm, s.rms_norm_eps), "Qcur_normed", li)
+                k = nm(eng.norm(ctx, k, lw.k_norm, s.rms_norm_eps), "Kcur_normed", li)
             base = float(s.rope_base_for(li))
-            q = b.ggml_rope_ext(ctx, q, pos, None, hd, _ROPE_NEOX, 0, base, 1.0, 0.0, 1.0, 0.0, 0.0)
-            k = b.ggml_rope_ext(ctx, k, pos, None, hd, _ROPE_NEOX, 0, base, 1.0, 0.0, 1.0, 0.0, 0.0)
+            rm = eng.rope_mode
+            q = nm(b.ggml_rope_ext(ctx, q, pos, None, hd, rm, 0, base, 1.0, 0.0, 1.0, 0.0, 0.0), "Qcur", li)
+            k = nm(b.ggml_rope_ext(ctx, k, pos, None, hd, rm, 0, base, 1.0, 0.0, 1.0, 0.0, 0.0), "Kcur", li)
             # write this chunk's keys and values into the cache, before the attention reads it
             kw = b.ggml_view_3d(ctx, kc, hd, nkv, seq, cap * hd * f4, hd * f4, 0)
             vw = b.ggml_view_2d(ctx, vc, seq, nkv * hd, cap * f4, 0)
@@ -188,31 +203,31 @@ class _Step:
             kq_scale = float(s.attn_scale)
             if eng.scale_q:  # Gemma in llama.cpp: q scaled before QK, softmax unscaled (same math, its rounding)
                 q, kq_scale = b.ggml_scale(ctx, q, kq_scale), 1.0
-            kq = b.ggml_mul_mat(ctx, kr, b.ggml_permute(ctx, q, 0, 2, 1, 3))  # [n_att, seq, nq]
+            kq = nm(b.ggml_mul_mat(ctx, kr, b.ggml_permute(ctx, q, 0, 2, 1, 3)), "kq", li)  # [n_att, seq, nq]
             if s.attn_logit_softcapping:
                 cap_ = float(s.attn_logit_softcapping)
                 kq = b.ggml_scale(ctx, b.ggml_tanh(ctx, b.ggml_scale(ctx, kq, kq_scale / cap_)), cap_)
                 kq_scale = 1.0
-            kq = b.ggml_soft_max_ext(ctx, kq, masks[window], kq_scale, 0.0)
-            o = b.ggml_mul_mat(ctx, vr, kq)  # [hd, seq, nq]
-            o = b.ggml_cont_2d(ctx, b.ggml_permute(ctx, o, 0, 2, 1, 3), hd * nq, seq)
-            a = eng.mm(ctx, lw.o, o)
+            kq = nm(b.ggml_soft_max_ext(ctx, kq, masks[window], kq_scale, 0.0), "kq_soft_max", li)
+            o = nm(b.ggml_mul_mat(ctx, vr, kq), "kqv", li)  # [hd, seq, nq]
+            o = nm(b.ggml_cont_2d(ctx, b.ggml_permute(ctx, o, 0, 2, 1, 3), hd * nq, seq), "kqv_out", li)
+            a = nm(eng.mm(ctx, lw.o, o), "attn_out", li)
             if lw.post_attn is not None:
-                a = eng.norm(ctx, a, lw.post_attn)
-            cur = b.ggml_add(ctx, cur, a)
-            x = eng.norm(ctx, cur, lw.pre_ffn)
+                a = nm(eng.norm(ctx, a, lw.post_attn), "attn_post_norm", li)
+            cur = nm(b.ggml_add(ctx, cur, a), "sa_out" if lw.post_attn is not None else "ffn_inp", li)
+            x = nm(eng.norm(ctx, cur, lw.pre_ffn), "ffn_norm", li)
             if layer is not None:  # attention only: the FFN input leaves the graph too
                 self.out_x = np.zeros((seq, hid), np.float32)
                 b.ggml_build_forward_expand(gf, b.ggml_cpy(ctx, x, leaf(self.out_x, b.ggml_new_tensor_2d(ctx, _F32, hid, seq))))
                 break
-            g, u = eng.mm(ctx, lw.gate, x), eng.mm(ctx, lw.up, x)
-            f = eng.mm(ctx, lw.down, eng.glu(ctx, g, u))
+            g, u = nm(eng.mm(ctx, lw.gate, x), "ffn_gate", li), nm(eng.mm(ctx, lw.up, x), "ffn_up", li)
+            f = nm(eng.mm(ctx, lw.down, nm(eng.glu(ctx, g, u), "ffn_" + eng.glu_name[5:-6], li)), "ffn_out", li)
             if lw.post_ffn is not None:
-                f = eng.norm(ctx, f, lw.post_ffn)
-            cur = b.ggml_add(ctx, cur, f)
+                f = nm(eng.norm(ctx, f, lw.post_ffn), "ffn_post_norm", li)
+            cur = nm(b.ggml_add(ctx, cur, f), "l_out", li)
         if head:
             last = b.ggml_view_2d(ctx, cur, hid, 1, cur.contents.nb[1], (seq - 1) * cur.contents.nb[1])
-            y = eng.mm(ctx, eng.lm_head, eng.norm(ctx, last, eng.final_norm))
+            y = nm(eng.mm(ctx, eng.lm_head, nm(eng.norm(ctx, last, eng.final_norm), "result_norm")), "result_output")
             if s.final_logit_softcapping:
                 c = float(s.final_logit_softcapping)
                 y = b.ggml_scale(ctx, b.ggml_tanh(ctx, b.ggml_scale(ctx, y, 1.0 / c)), c)
@@ -224,6 +239,10 @@ class _Step:
         y = b.ggml_cpy(ctx, y, leaf(self.out, b.ggml_new_tensor_2d(ctx, _F32, self.out.shape[-1], 1 if head else seq)))
         b.ggml_build_forward_expand(gf, y)
         self.n_nodes = b.ggml_graph_n_nodes(gf)
+        if TRACE:
+            for ts in named.values():
+                for t in ts:
+                    b.ggml_set_output(t)
         self._galloc = b.ggml_gallocr_new(b.ggml_backend_cpu_buffer_type())
         if not b.ggml_gallocr_alloc_graph(self._galloc, gf):
             raise _ggml.KernelError("ggml_gallocr_alloc_graph failed")
@@ -290,8 +309,29 @@ class GraphEngine:
         def nw(w):  # Gemma multiplies by (1 + w): folded once here, as llama.cpp's GGUF does
             return None if w is None else np.ascontiguousarray((w + off) if off else w, dtype=np.float32)
 
+        # The vindex keeps Hugging Face's q/k row order (rotate-half RoPE). For the families whose GGUF
+        # llama.cpp permutes (Llama: RoPE on adjacent pairs), the graph takes its q/k rows in the GGUF's
+        # order and RoPE on pairs: the same values, but QK^T then sums each head's dimensions in
+        # llama.cpp's order, bit for bit its kq (in Hugging Face's order ~10% of kq differed in the last
+        # bits: DESIGN.md §4.1). The copies are small (q and k: ~8 MB for SmolLM2-135M's Q4_1).
+        permute = spec.family.gguf_permutes_qk
+        self.rope_mode = _ROPE_NORM if permute else _ROPE_NEOX
+        hd = spec.head_dim
+        pair = np.arange(hd).reshape(2, hd // 2).T.reshape(-1)  # GGUF dimension i <- Hugging Face's pair[i]
+
+        def qk(m, heads):
+            if not permute:
+                return m
+            rows = (np.arange(heads)[:, None] * hd + pair[None, :]).reshape(-1)
+            return CompactMatrix(m.fmt, m.shape, np.ascontiguousarray(m.data[rows]))
+
+        def qk_norm(w):
+            return nw(w) if w is None or not permute else nw(w[pair])
+
+        nq, nkv = spec.num_q_heads, spec.num_kv_heads
         self.layers = [
-            _Layer(a.q, a.k, a.v, a.o, f and f.gate, f and f.up, f and f.down, nw(a.q_norm), nw(a.k_norm),
+            _Layer(qk(a.q, nq), qk(a.k, nkv), a.v, a.o, f and f.gate, f and f.up, f and f.down,
+                   qk_norm(a.q_norm), qk_norm(a.k_norm),
                    nw(a.pre_attn_norm), nw(a.post_attn_norm), nw(a.pre_ffn_norm), nw(a.post_ffn_norm))
             for a, f in zip(attn, ffn or [None] * len(attn), strict=True)
         ]
@@ -323,15 +363,24 @@ class GraphEngine:
             b = _ggml.lib().base
             ctx = self._weights_ctx()
             rows, cols = m.shape
-            if m.fmt == "f32":
-                data, ne0 = np.ascontiguousarray(m.data, dtype=np.float32), cols
+            rp = m.repacked_copy() if m.fmt not in ("f16", "f32") else None
+            keep: Any  # what the tensor's data points into
+            if rp is not None:
+                # ggml's repacked copy, as llama.cpp's CPU_REPACK buffer holds its weights by default:
+                # its gemm/gemv kernels sum in their own order, so using them is both llama.cpp's
+                # arithmetic (bit for bit, DESIGN.md §4.1) and faster (§4)
+                w, keep = rp.tensor(ctx, 0, rows), rp
             else:
-                data, ne0 = m.data, FORMATS[m.fmt].padded_cols(cols)
-            w = b.ggml_new_tensor_2d(ctx, _ggml.TYPE[m.fmt], ne0, rows)
-            if w.contents.nb[1] != data.strides[0]:
-                raise _ggml.KernelError(f"weight row bytes {data.strides[0]} != ggml's {w.contents.nb[1]}")
-            w.contents.data = data.ctypes.data
-            t = self._weights[id(m)] = (w, data, m)
+                if m.fmt == "f32":
+                    data, ne0 = np.ascontiguousarray(m.data, dtype=np.float32), cols
+                else:
+                    data, ne0 = m.data, FORMATS[m.fmt].padded_cols(cols)
+                w = b.ggml_new_tensor_2d(ctx, _ggml.TYPE[m.fmt], ne0, rows)
+                if w.contents.nb[1] != data.strides[0]:
+                    raise _ggml.KernelError(f"weight row bytes {data.strides[0]} != ggml's {w.contents.nb[1]}")
+                w.contents.data = data.ctypes.data
+                keep = data
+            t = self._weights[id(m)] = (w, keep, m)
         return t[0]
 
     def mm(self, ctx, m: Any, x):

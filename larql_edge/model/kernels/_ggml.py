@@ -169,6 +169,7 @@ class _Lib:
             f = getattr(b, name)
             f.restype, f.argtypes = _TP, args
         b.ggml_set_output.argtypes = [_TP]
+        b.ggml_set_name.restype, b.ggml_set_name.argtypes = _TP, [_TP, C.c_char_p]
         b.ggml_graph_n_nodes.restype, b.ggml_graph_n_nodes.argtypes = C.c_int, [V]
         b.ggml_backend_cpu_buffer_type.restype = V
         b.ggml_gallocr_new.restype, b.ggml_gallocr_new.argtypes = V, [V]

@@ -163,6 +163,10 @@ class CompactMatrix:
         """Whether products read ggml's repacked copy (made on the first product) instead of the stored bytes."""
         return (self._graphs or self._make_graphs()).repacked is not None
 
+    def repacked_copy(self) -> _ggml.Repacked | None:
+        """ggml's repacked copy of this matrix (made now if not yet), or None where there is none."""
+        return (self._graphs or self._make_graphs()).repacked
+
     def _ggml(self, x: np.ndarray, out: np.ndarray, a: int, b: int) -> None:
         g = self._graphs or self._make_graphs()
         g.run(x.shape[0], a, b, x.ctypes.data, out.ctypes.data)
