@@ -284,6 +284,7 @@ def gemma_inputs():
 
     model.backend = type("Spy", (), {"linear": staticmethod(spy), "name": "spy"})()
     model.ffn_provider.backend = model.backend
+    model.ffn_provider.fused = None  # product by product, so the spy sees the FFN's inputs too
     ids = [2, 818, 5279, 529, 7001, 563]  # "<bos>The capital of France is"
     h = model.forward(ids)
     from larql_edge.model import ops
