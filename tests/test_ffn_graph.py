@@ -15,9 +15,7 @@ from larql_edge.model.kernels import CompactMatrix
 from larql_edge.model.kernels._ggml import gelu
 from larql_edge.model.ops import gelu_tanh
 from larql_edge.model.spec import ModelSpec
-from larql_edge.tools.slicer.extract import extract
-from tests.tinygguf import hf_to_gguf
-from tests.tinymodel import make_tiny_model
+from tests.tinygguf import tiny_gguf_vindex
 
 ROWS = (1, 7, 16)
 
@@ -69,12 +67,9 @@ def test_what_is_not_fused():
 def tiny_quantized(request, tmp_path_factory):
     fam = request.param
     root = tmp_path_factory.mktemp(f"ffn-graph-{fam}")
-    hf = make_tiny_model(root / "hf", fam, seed=11, gguf_compatible=True)
     qtypes = {"ffn_gate": "Q4_1", "ffn_up": "Q5_0", "ffn_down": "Q8_0", "attn_q": "Q8_0", "attn_k": "Q8_0",
               "attn_v": "Q8_0", "attn_output": "Q8_0", "token_embd": "Q8_0", "output": "Q8_0"}
-    out = root / "v"
-    extract(str(hf_to_gguf(hf, root / "m.gguf", qtypes=qtypes)), out, quant="gguf", progress=False, log=lambda m: None)
-    return fam, out
+    return fam, tiny_gguf_vindex(root, fam, 11, qtypes)
 
 
 @pytest.mark.parametrize("rows", ROWS)

@@ -15,9 +15,7 @@ from larql_edge.model import speculative as sp
 from larql_edge.model.backend import get_backend
 from larql_edge.model.forward import KVCache, Transformer
 from larql_edge.model.graph import GraphCache
-from larql_edge.tools.slicer.extract import extract
-from tests.tinygguf import hf_to_gguf
-from tests.tinymodel import make_tiny_model
+from tests.tinygguf import tiny_gguf_vindex
 
 IDS = [2, 4, 5, 6, 7, 8, 9, 10, 4]  # longer than the tiny Gemma's sliding window (4)
 TOL = {"gemma3": 5e-3, "llama": 2e-5}
@@ -105,12 +103,9 @@ def test_graph_mode_is_chosen_by_the_weights_and_the_environment(tiny_models, mo
 def quantized(request, tmp_path_factory):
     fam = request.param
     root = tmp_path_factory.mktemp(f"graph-gguf-{fam}")
-    hf = make_tiny_model(root / "hf", fam, seed=7, gguf_compatible=True)
     qtypes = {"attn_q": "Q5_0", "attn_k": "Q4_1", "attn_v": "Q8_0", "attn_output": "Q5_0", "ffn_gate": "Q4_1",
               "ffn_up": "Q5_0", "ffn_down": "Q8_0", "token_embd": "Q8_0", "output": "Q4_1"}
-    out = root / "v"
-    extract(str(hf_to_gguf(hf, root / "m.gguf", qtypes=qtypes)), out, quant="gguf", progress=False, log=lambda m: None)
-    return fam, out
+    return fam, tiny_gguf_vindex(root, fam, 7, qtypes)
 
 
 def test_graph_on_gguf_blocks_is_the_product_by_product_path(quantized):

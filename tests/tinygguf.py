@@ -107,3 +107,15 @@ def hf_to_gguf(folder: Path, out: Path, arch: str | None = None, bad_tensor: str
     w.write_tensors_to_file()
     w.close()
     return out
+
+
+def tiny_gguf_vindex(root: Path, family: str, seed: int, qtypes: dict[str, str]) -> Path:
+    """A tiny GGUF-compatible model of ``family`` written as a GGUF with ``qtypes`` (tensor name ->
+    block type) and extracted to a `gguf` vindex under ``root``: compact weights in ggml's own blocks."""
+    from larql_edge.tools.slicer.extract import extract
+    from tests.tinymodel import make_tiny_model
+
+    hf = make_tiny_model(root / "hf", family, seed=seed, gguf_compatible=True)
+    out = root / "v"
+    extract(str(hf_to_gguf(hf, root / "m.gguf", qtypes=qtypes)), out, quant="gguf", progress=False, log=lambda m: None)
+    return out
