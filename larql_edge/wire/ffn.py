@@ -42,6 +42,7 @@ _U32 = struct.Struct("<I")
 _HEAD = struct.Struct("<III")  # seq_len, flags, top_k (after the layer field(s))
 _RESP = struct.Struct("<IIf")  # layer|BATCH, seq_len|num_results, latency_ms
 _ITEM = struct.Struct("<III")  # layer, seq_len, n
+_LATENCY = struct.Struct("<f")  # _RESP's last field, written once the reply's values are in
 
 # A request never names more layers than a model could have; bounds the work a header can ask for.
 MAX_BATCH_LAYERS = 4096
@@ -162,7 +163,7 @@ def reply_buffer(layers: Sequence[int], seq_len: int, hidden: int, batch: bool,
 
 def set_latency(buf: bytearray, latency_ms: float) -> None:
     """The latency field of a reply made by `reply_buffer` (the same place in single and batch replies)."""
-    struct.pack_into("<f", buf, 8, float(latency_ms))
+    _LATENCY.pack_into(buf, _RESP.size - _LATENCY.size, float(latency_ms))
 
 
 def decode_response(body: bytes, hidden: int, f16: bool = False) -> tuple[int, np.ndarray, float]:
