@@ -230,30 +230,6 @@ def test_eight_concurrent_http_completions_equal_each_alone(tiny_models, grid):
         assert stats["steps"] - steps_before < sum(5 + len(p) % 3 + 1 for p in PROMPTS)
 
 
-def test_two_lanes_step_their_own_sequences_at_once_and_give_the_tokens_of_one(tiny_models, grid):
-    """--lanes 2: two scheduler threads share the sequences and step at once through one engine (its
-    HTTP client keeps a connection per thread); every completion is the one a single lane gives."""
-    prompts = PROMPTS[:6]
-
-    def run(url, p):
-        r = _complete(url, prompt=p, max_tokens=4, logprobs=1)
-        assert r.status_code == 200, r.text
-        c = r.json()["choices"][0]
-        return c["text"], c["logprobs"]["tokens"]
-
-    with _serve(tiny_models["gemma3"], grid["router"].url, Limits(context=64, max_active=8), eos=False) as one:
-        alone = [run(one.url, p) for p in prompts]
-    with _serve(tiny_models["gemma3"], grid["router"].url, Limits(context=64, max_active=8, lanes=2), eos=False) as s:
-        with ThreadPoolExecutor(len(prompts)) as pool:
-            together = list(pool.map(lambda p: run(s.url, p), prompts))
-        stats = httpx.get(s.url + "/v1/stats").json()
-    assert together == alone
-    assert stats["limits"]["lanes"] == 2
-    lane_steps = stats["scheduler"]["lane_steps"]
-    assert len(lane_steps) == 2 and min(lane_steps) > 0, lane_steps  # both lanes stepped sequences
-    assert sum(lane_steps) == stats["scheduler"]["steps"]
-
-
 def test_beyond_the_admission_limits_429_with_retry_after_and_a_disconnect_frees_the_slot(tiny_models, grid):
     with _serve(tiny_models["gemma3"], grid["router"].url, Limits(context=4096, max_active=1, max_queue=1),
                 eos=False) as s:

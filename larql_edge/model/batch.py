@@ -17,7 +17,6 @@ sliding-window slice is the same), so greedy decoding is the same tokens batched
 
 from __future__ import annotations
 
-import threading
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -109,10 +108,9 @@ class BatchEngine:
     def __init__(self, spec: ModelSpec, attn: list[AttentionLayer], embedder: EmbedProvider, ffn: FfnProvider,
                  head: TopKHead, backend: Backend):
         self.spec, self.attn, self.embedder, self.ffn, self.head, self.backend = spec, attn, embedder, ffn, head, backend
-        self.local_s = 0.0  # seconds of attention computed here, so far (lanes add to it: approximate)
+        self.local_s = 0.0  # seconds of attention computed here, so far
         self.step_local: deque[float] = deque(maxlen=4096)  # ... in each recent step (metrics drain it)
-        # the last step's chunks and rows, per thread: larql-serve's lanes step at once on one engine
-        self._lasts = threading.local()
+        self._last: tuple = ((), np.empty((0, spec.hidden_size), np.float32))  # the last step's chunks and rows
 
     def new_cache(self, context: int) -> SeqCache:
         return SeqCache(self.spec, context)
@@ -156,7 +154,6 @@ class BatchEngine:
             at += len(c.ids)
         pos_all = np.concatenate([np.arange(c.cache.length, c.cache.length + len(c.ids)) for c in chunks])
         rope: dict = {}
-        spent = 0.0
         h = np.asarray(self.embedder.embed(ids), dtype=np.float32)  # one request for every row
         for layer in range(s.num_layers):
             w = self.attn[layer]
@@ -166,15 +163,13 @@ class BatchEngine:
                 a = ops.rms_norm(a, w.post_attn_norm, eps, off)
             h = h + a
             x = ops.rms_norm(h, w.pre_ffn_norm, eps, off)
-            spent += time.perf_counter() - t  # attention and norms here (larql_serve_local_seconds)
+            self.local_s += time.perf_counter() - t  # attention and norms here (larql_serve_local_seconds)
             f = self.ffn.ffn(layer, x)  # ONE call for all rows
             if w.post_ffn_norm is not None:
                 f = ops.rms_norm(f, w.post_ffn_norm, eps, off)
             h = h + f
         for c in chunks:
             c.cache.length += len(c.ids)
-        self._lasts.local = spent
-        self.local_s += spent
         return h
 
     def step(self, chunks: Sequence[Chunk], k: int) -> list[Top | None]:
@@ -187,8 +182,9 @@ class BatchEngine:
         for `row_logits`."""
         if not chunks:
             return []
+        local0 = self.local_s
         h = self.forward(chunks)
-        self.step_local.append(self._lasts.local)
+        self.step_local.append(self.local_s - local0)
         wanted: list[int] = []
         masks: list[np.ndarray | None] = []
         extra: list[np.ndarray | None] = []
@@ -201,7 +197,7 @@ class BatchEngine:
             masks.extend([None] * (n - 1) + [c.mask] if n else [])  # a mask applies to the last row
             extra.extend([None] * (n - 1) + [c.extra] if n else [])  # so do the extra ids
             counts.append(n)
-        self._lasts.step = (chunks, h)
+        self._last = (chunks, h)
         opts: dict = {}
         if any(m is not None for m in masks):
             opts["masks"] = masks
@@ -213,7 +209,7 @@ class BatchEngine:
     def row_logits(self, chunk: int) -> np.ndarray:
         """The whole logits row (``f32[vocab]``) after the last row of chunk ``chunk`` of the last step,
         its mask applied (-inf): one more head request, for what that row's candidates cannot decide."""
-        chunks, h = getattr(self._lasts, "step", ((), np.empty((0, self.spec.hidden_size), np.float32)))
+        chunks, h = self._last
         ends = np.cumsum([len(c.ids) for c in chunks])
         row = np.array(self.head.logits(h[ends[chunk] - 1 : ends[chunk]])[0], dtype=np.float32)
         mask = chunks[chunk].mask

@@ -19,7 +19,6 @@ from __future__ import annotations
 import http.client
 import socket
 import ssl
-import threading
 import time
 from typing import Protocol
 from urllib.parse import urlsplit
@@ -136,13 +135,10 @@ class HttpClient:
         self.timeout = timeout
         self.connect_timeout = min(connect_timeout, timeout)
         self.max_body = max_body
-        # Keep-alive connections per (thread, scheme, host, port): one client may serve several threads
-        # (larql-serve's lanes step at once through the same providers); a connection carries one
-        # request at a time, so threads never share one.
-        self._conns: dict[tuple[int, str, str, int], _Connection | _TlsConnection] = {}
+        self._conns: dict[tuple[str, str, int], _Connection | _TlsConnection] = {}
 
     def _conn(self, scheme: str, host: str, port: int) -> _Connection | _TlsConnection:
-        key = (threading.get_ident(), scheme, host, port)
+        key = (scheme, host, port)
         c = self._conns.get(key)
         if c is None:
             c = self._conns[key] = (_TlsConnection if scheme == "https" else _Connection)(host, port, self.connect_timeout)
@@ -241,7 +237,7 @@ class HttpClient:
         c.close()
 
     def close(self) -> None:
-        for c in list(self._conns.values()):
+        for c in self._conns.values():
             c.close()
         self._conns.clear()
 

@@ -50,7 +50,6 @@ class Limits:
     kv_memory_bytes: int = 1 << 30
     step_tokens: int = 128
     prefix_cache_bytes: int | None = None  # None: what kv_memory_bytes leaves after max_active caches; 0: off
-    lanes: int = 1  # scheduler threads stepping their own share of the sequences (Scheduler)
 
     def prefix_budget(self, spec) -> int:
         if self.prefix_cache_bytes is not None:
@@ -60,8 +59,7 @@ class Limits:
     def as_json(self, spec) -> dict:
         return {"max_active": self.max_active, "max_queue": self.max_queue, "context": self.context,
                 "kv_memory_bytes": self.kv_memory_bytes, "kv_bytes_per_sequence": self.context * kv_bytes_per_token(spec),
-                "step_tokens": self.step_tokens, "lanes": self.lanes, "n": min(MAX_N, self.max_active),
-                "max_body_bytes": MAX_BODY,
+                "step_tokens": self.step_tokens, "n": min(MAX_N, self.max_active), "max_body_bytes": MAX_BODY,
                 "prefix_cache_bytes": self.prefix_budget(spec)}
 
 
@@ -86,7 +84,7 @@ def effective_limits(limits: Limits, spec) -> Limits:
     per_seq = limits.context * kv_bytes_per_token(spec)
     by_memory = max(0, limits.kv_memory_bytes // per_seq)
     return Limits(min(limits.max_active, by_memory), limits.max_queue, limits.context, limits.kv_memory_bytes,
-                  limits.step_tokens, limits.prefix_cache_bytes, min(limits.lanes, max(1, limits.max_active)))
+                  limits.step_tokens, limits.prefix_cache_bytes)
 
 
 def create_app(engine: BatchEngine, served: Served, limits: Limits, name: str = "larql_serve",
@@ -97,7 +95,7 @@ def create_app(engine: BatchEngine, served: Served, limits: Limits, name: str = 
     prefix = PrefixCache(budget, kv_bytes_per_token(engine.spec)) if budget else None
     sched = Scheduler(engine, served.tokenizer, context=limits.context, max_active=limits.max_active,
                       max_queue=limits.max_queue, step_tokens=limits.step_tokens, eos_ids=served.eos_ids,
-                      prefix=prefix, speculation=speculation or Settings(), lanes=limits.lanes)
+                      prefix=prefix, speculation=speculation or Settings())
 
     def data_path() -> dict:
         path, hedger = getattr(engine.ffn, "path", None), getattr(engine.ffn, "hedger", None)

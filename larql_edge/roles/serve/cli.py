@@ -47,10 +47,6 @@ def build_parser():
                "--kv-memory-mb leaves after --max-active sequences; 0: off)")
     f.add("--step-tokens", type=int, default=d.step_tokens,
           help=f"rows per step: decoding sequences take one each, prefills share the rest (chunked); at most {MAX_STEP_TOKENS}")
-    f.add("--lanes", type=int, default=d.lanes,
-          help="scheduler lanes: threads that each step their own share of the active sequences, so one lane's "
-               "logits hop overlaps another's layers (2 pays where the grid's roles share idle cores; "
-               "DESIGN.md §12)")
     f.add("--chat-template", default=None, metavar="FILE",
           help="a Jinja chat template overriding the vindex's tokenizer_config.json chat_template")
     f.add("--served-model-name", default=None, metavar="NAME[,ALIAS]",
@@ -80,9 +76,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("give exactly one VINDEX folder (or set LARQL_VINDEX)")
     if not args.ffn:
         parser.error("--ffn ROUTER_URL is required (or set LARQL_FFN)")
-    if min(args.max_active, args.max_queue + 1, args.kv_memory_mb, args.step_tokens, args.lanes) < 1 or (
+    if min(args.max_active, args.max_queue + 1, args.kv_memory_mb, args.step_tokens) < 1 or (
             args.context is not None and args.context < 2):
-        parser.error("--max-active, --kv-memory-mb, --step-tokens, --lanes must be >= 1, --max-queue >= 0, --context >= 2")
+        parser.error("--max-active, --kv-memory-mb, --step-tokens must be >= 1, --max-queue >= 0, --context >= 2")
     if args.prefix_cache_mb is not None and args.prefix_cache_mb < 0:
         parser.error("--prefix-cache-mb must be >= 0 (0: no prompt cache)")
     if args.step_tokens > MAX_STEP_TOKENS:  # one step's ids are one /v1/embed request (the embed server takes 4096)
@@ -111,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
                                                   direct=args.direct, hedge=args.hedge, hedge_budget=args.hedge_budget))
         prefix = None if args.prefix_cache_mb is None else args.prefix_cache_mb << 20
         limits = effective_limits(Limits(args.max_active, args.max_queue, context, args.kv_memory_mb << 20,
-                                         args.step_tokens, prefix, args.lanes), engine.spec)
+                                         args.step_tokens, prefix), engine.spec)
         if limits.max_active < 1:
             raise LarqlError(f"--kv-memory-mb {args.kv_memory_mb} holds no sequence of {context} positions: "
                              "raise it or lower --context")

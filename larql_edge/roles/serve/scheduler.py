@@ -271,13 +271,7 @@ class Scheduler:
     def __init__(self, engine: BatchEngine, tokenizer, *, context: int, max_active: int, max_queue: int,
                  step_tokens: int = 128, eos_ids: Sequence[int] = (),
                  on_token: Callable[[str, float], None] | None = None, prefix: PrefixCache | None = None,
-                 speculation: Settings | None = None, lanes: int = 1):
-        """``lanes``: threads that each step their own share of the active sequences, all through
-        ``engine`` (its providers keep a connection per thread). With one lane a step's hops run one
-        after another and every role of the grid but one waits (the lm_head alone is ~half a 16-row
-        step); with two, one lane's head product overlaps the other's layers (DESIGN.md §12)."""
-        if lanes < 1:
-            raise ValueError("lanes must be >= 1")
+                 speculation: Settings | None = None):
         self.engine, self.tok = engine, tokenizer
         self.context, self.max_active, self.max_queue = context, max_active, max_queue
         self.step_tokens = max(1, step_tokens)
@@ -285,15 +279,12 @@ class Scheduler:
         self.prefix = prefix
         self.on_token = on_token or (lambda kind, seconds: None)  # ("ttft" | "itl", seconds)
         self.waiting: deque[Seq] = deque()
-        self.lanes: list[list[Seq]] = [[] for _ in range(lanes)]  # each lane's active sequences
+        self.active: list[Seq] = []
         self._cond = threading.Condition()
         self._stop = False
         self.draining = False  # SIGTERM: no more admissions; what runs may finish (app.create_app)
-        self._threads: list[threading.Thread] = []
-        self._counts = threading.Lock()  # the step counters below, which every lane adds to
-        self._prefix_lock = threading.Lock()
+        self._thread: threading.Thread | None = None
         self.steps = 0
-        self.lane_steps = [0] * lanes
         self.step_rows = 0
         self.generated_tokens = 0
         self.prompt_tokens = 0
@@ -306,10 +297,6 @@ class Scheduler:
         self.on_step: Callable[[int], None] = lambda rows: None  # rows (positions) of each step
 
     # -- the event loop's side ----------------------------------------------------------------------
-    @property
-    def active(self) -> list[Seq]:
-        return [s for lane in self.lanes for s in lane]
-
     @property
     def active_count(self) -> int:
         return sum(1 for s in self.active if not s.cancelled)
@@ -337,7 +324,7 @@ class Scheduler:
                                       "retry shortly", retry_after=1.0)
             self.waiting.append(seq)
             self.prompt_tokens += len(seq.prompt)
-            self._cond.notify_all()
+            self._cond.notify()
         self.start()
 
     def cancel(self, seq: Seq) -> None:
@@ -347,25 +334,21 @@ class Scheduler:
                 self.waiting.remove(seq)
             except ValueError:
                 pass
-            self._cond.notify_all()
+            self._cond.notify()
 
     def start(self) -> None:
-        with self._cond:
-            if not self._threads:
-                self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True,
-                                                  name="serve-scheduler" + (f"-{i}" if i else ""))
-                                 for i in range(len(self.lanes))]
-                for t in self._threads:
-                    t.start()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="serve-scheduler", daemon=True)
+            self._thread.start()
 
     def stop(self, error: BaseException | None = None) -> None:
         """Stop stepping; with ``error``, every sequence not finished yet ends with it (its stream gets
         an error event and [DONE]) instead of waiting for events that never come."""
         with self._cond:
             self._stop = True
-            self._cond.notify_all()
-        for t in self._threads:
-            t.join(timeout=10)
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
         if error is not None:
             with self._cond:
                 left = [*self.active, *(g for s in self.waiting for g in (s, *s.siblings))]
@@ -374,17 +357,15 @@ class Scheduler:
                 self._finish(s, None, error)
 
     # -- the scheduler thread -----------------------------------------------------------------------
-    def _run(self, lane: int = 0) -> None:
+    def _run(self) -> None:
         while True:
             with self._cond:
-                mine = self.lanes[lane] = [s for s in self.lanes[lane] if not s.cancelled and s.finished is None]
-                while not self._stop and not mine and not (self.waiting and self._fewest(lane)):
+                self.active = [s for s in self.active if not s.cancelled and s.finished is None]
+                while not self._stop and not self.active and not self.waiting:
                     self._cond.wait()
                 if self._stop:
                     return
-                # A lane admits while it has the fewest sequences (ties: any): a burst is shared out
-                # evenly; a group (n > 1) stays in one lane, which copies its prompt's KV.
-                while self.waiting and self._fewest(lane):
+                while self.waiting:
                     s = self.waiting[0]
                     group = [s, *s.siblings]
                     if not s.cancelled and len(self.active) + len(group) > self.max_active:
@@ -403,20 +384,14 @@ class Scheduler:
                         continue
                     if self.prefix is not None:
                         assert s.cache is not None
-                        with self._prefix_lock:
-                            s.fed = s.cached = self.prefix.load(s.prompt, s.cache)
+                        s.fed = s.cached = self.prefix.load(s.prompt, s.cache)
                     if self.speculation.enabled and self.speculation.max_k > 0:
                         for g in group:
                             g.speculator = SeqSpeculator(self.speculation)
-                    mine.extend(group)
-                if not mine:  # every slot taken by the other lanes: wait for one to free (a step's end)
-                    self._cond.wait(0.05)
-                    continue
-                batch = list(mine)
-                if len(self.lanes) > 1:
-                    self._cond.notify_all()  # another lane may have the fewest now
+                    self.active.extend(group)
+                batch = list(self.active)
             try:
-                self._step(batch, lane)
+                self._step(batch)
             except LarqlError as e:
                 for s in batch:
                     self._finish(s, None, e)
@@ -424,15 +399,8 @@ class Scheduler:
                 log.exception("scheduler step failed")
                 for s in batch:
                     self._finish(s, None, e)
-            if len(self.lanes) > 1 and self.waiting:
-                with self._cond:
-                    self._cond.notify_all()  # slots this step freed, for a lane with none
 
-    def _fewest(self, lane: int) -> bool:
-        n = len(self.lanes[lane])
-        return all(n <= len(other) for other in self.lanes)
-
-    def _step(self, batch: list[Seq], lane: int = 0) -> None:
+    def _step(self, batch: list[Seq]) -> None:
         chunks: list[Chunk] = []
         owners: list[Seq] = []
         drafts: list[list[int]] = []
@@ -473,12 +441,10 @@ class Scheduler:
         t0 = time.perf_counter()
         starts = [c.cache.length for c in chunks]
         tops = self.engine.step_rows(chunks, k)
+        self.last_step_ms = (time.perf_counter() - t0) * 1e3
+        self.steps += 1
         rows = sum(len(c.ids) for c in chunks)
-        with self._counts:
-            self.last_step_ms = (time.perf_counter() - t0) * 1e3
-            self.steps += 1
-            self.lane_steps[lane] += 1
-            self.step_rows += rows
+        self.step_rows += rows
         self.on_step(rows)
         for i, (s, rows_top, d, start) in enumerate(zip(owners, tops, drafts, starts, strict=True)):
             if not rows_top or s.cancelled:
@@ -504,8 +470,7 @@ class Scheduler:
             return top
 
         def row() -> np.ndarray:
-            with self._counts:
-                self.full_rows += 1
+            self.full_rows += 1
             return self.engine.row_logits(chunk)
 
         return complete(top, s.params, s.prompt, s.generated, s.raised, k, row)
@@ -526,9 +491,8 @@ class Scheduler:
         assert s.speculator is not None and s.cache is not None
         kept, nxt = s.speculator.verify(d, rows_top, s.params.temperature, s.params.top_p, s.rng)
         s.cache.truncate(start + 1 + kept)  # the last decided token and the kept drafts stay
-        with self._counts:
-            self.drafted_tokens += len(d)
-            self.accepted_tokens += kept
+        self.drafted_tokens += len(d)
+        self.accepted_tokens += kept
         for i, tok in enumerate([*d[:kept], nxt]):
             if s.finished is not None:
                 return
@@ -537,8 +501,7 @@ class Scheduler:
     def _prefilled(self, s: Seq, top: Top) -> None:
         assert s.cache is not None
         if self.prefix is not None:
-            with self._prefix_lock:
-                self.prefix.store(s.prompt, s.cache)
+            self.prefix.store(s.prompt, s.cache)
         n = s.cache.length
         for sib in s.siblings:
             if sib.cancelled or sib.cache is None:
@@ -568,8 +531,7 @@ class Scheduler:
             self.on_token("itl", now - s.t_last)
         s.t_last = now
         s.generated.append(tok)
-        with self._counts:
-            self.generated_tokens += 1
+        self.generated_tokens += 1
         if s.constraint is not None:
             try:
                 s.constraint.accept(tok)
@@ -625,13 +587,12 @@ class Scheduler:
         s.finished = reason or "error"
         if error is None and self.prefix is not None and s.cache is not None:
             # The reply's KV too: a chat's next turn re-sends it as history.
-            with self._prefix_lock:
-                self.prefix.store(s.prompt + s.generated, s.cache)
+            self.prefix.store(s.prompt + s.generated, s.cache)
         s.cache = None  # the KV cache goes back now
         s.post(Event("error", error=error) if error is not None else Event("done", finish_reason=reason))
 
     def stats(self) -> dict[str, Any]:
-        return {"steps": self.steps, "rows": self.step_rows, "lane_steps": list(self.lane_steps),
+        return {"steps": self.steps, "rows": self.step_rows,
                 "mean_rows_per_step": round(self.step_rows / self.steps, 3) if self.steps else None,
                 "last_step_ms": round(self.last_step_ms, 3), "generated_tokens": self.generated_tokens,
                 "prompt_tokens": self.prompt_tokens, "full_logit_rows": self.full_rows,
