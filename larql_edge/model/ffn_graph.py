@@ -48,9 +48,8 @@ class _Weight:
 
     @classmethod
     def of(cls, m: CompactMatrix) -> _Weight:
-        g = m._graphs or m._make_graphs()
         kcols = FORMATS[m.fmt].padded_cols(m.shape[1])
-        rp = g.repacked
+        rp = m.repacked_copy()
         if rp is not None:
             return cls(m.fmt, m.shape[0], kcols, rp.base, rp.buffer, rp.extra)
         return cls(m.fmt, m.shape[0], kcols, m.data.ctypes.data, None, None)
