@@ -112,33 +112,43 @@ base_build() {  # base_build TAG [EXTRA_PACKAGES]: only for our own larql-base* 
     log "base $tag is not a larql-base tag: used as it is (must be present or pullable)"
     return 0
   fi
-  bash "$ROOT/docker/base/build-base-image.sh" --tag "$tag" ${extra:+--extra-packages "$extra"} "${FORCE_BASE[@]}"
+  bash "$ROOT/docker/base/build-base-image.sh" --tag "$tag" ${extra:+--extra-packages "$extra"} \
+    --rootfs-cache "$ROOTFS_CACHE" "${FORCE_BASE[@]}"
 }
 bases() {
-  local jobs=() tags=() extras=() i rc=0 logs
+  local jobs=() tags=() extras=() todo=() i rc=0 logs
   if wants slicer || wants router || wants ffn || wants client || wants serve || wants embed; then tags+=("$BASE"); extras+=(""); fi
   if wants edge; then tags+=("$EDGE_BASE"); extras+=("nginx"); fi
   if wants prometheus; then tags+=("$PROM_BASE"); extras+=("prometheus"); fi
   if wants varnish; then tags+=("$VARNISH_BASE"); extras+=("varnish"); fi
-  # The debootstraps in parallel take about as long as one; the first run on a machine installs
-  # debootstrap with apt, which must not run three times at once.
-  if ! command -v debootstrap >/dev/null || [[ ! -f /usr/share/keyrings/debian-archive-keyring.gpg ]]; then
-    for i in "${!tags[@]}"; do base_build "${tags[$i]}" "${extras[$i]}"; done
-    return
-  fi
-  logs=$(mktemp -d "${TMPDIR:-/tmp}/larql-bases.XXXXXX")
+  # One debootstrap for all of them: the first base to build leaves its upgraded root filesystem in
+  # a tarball, the others start from it, in parallel (their own packages only). Measured here from
+  # nothing: four debootstraps at once took 146 s (the first base alone 123 s of it).
   for i in "${!tags[@]}"; do
-    base_build "${tags[$i]}" "${extras[$i]}" >"$logs/$i.log" 2>&1 &
-    jobs+=($!)
+    [[ ${tags[$i]} == larql-base*:* ]] && docker image inspect "${tags[$i]}" >/dev/null 2>&1 && [[ ${#FORCE_BASE[@]} -eq 0 ]] \
+      && { log "  ${tags[$i]}: already present"; continue; }
+    todo+=("$i")
   done
-  for i in "${!jobs[@]}"; do
-    if wait "${jobs[$i]}"; then
-      grep -E 'already exists|done in|used as it is' "$logs/$i.log" | tail -n 1 | sed "s|^|  ${tags[$i]}: |" >&2 || true
+  [[ ${#todo[@]} -gt 0 ]] || return 0
+  ROOTFS_CACHE=$(mktemp -u "${LARQL_BASE_WORKDIR:-/var/tmp}/larql-rootfs.XXXXXX.tar")
+  trap 'rm -f "$ROOTFS_CACHE"' EXIT  # ~200 MB; also when a build fails
+  i=${todo[0]}
+  base_build "${tags[$i]}" "${extras[$i]}" 2>&1 | sed "s|^|  ${tags[$i]}: |" >&2
+  [[ ${PIPESTATUS[0]} -eq 0 ]] || die "base image ${tags[$i]} failed (its log is above)"
+  logs=$(mktemp -d "${TMPDIR:-/tmp}/larql-bases.XXXXXX")
+  for i in "${todo[@]:1}"; do
+    base_build "${tags[$i]}" "${extras[$i]}" >"$logs/$i.log" 2>&1 &
+    jobs+=("$i:$!")
+  done
+  for j in "${jobs[@]}"; do
+    i=${j%%:*}
+    if wait "${j#*:}"; then
+      grep -E 'done in|used as it is' "$logs/$i.log" | tail -n 1 | sed "s|^|  ${tags[$i]}: |" >&2 || true
     else
       rc=1; log "base image ${tags[$i]} FAILED:"; tail -n 40 "$logs/$i.log" >&2
     fi
   done
-  rm -rf "$logs"
+  rm -rf "$logs" "$ROOTFS_CACHE"
   [[ $rc -eq 0 ]] || die "base image build failed"
 }
 step "base images" bases

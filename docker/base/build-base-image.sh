@@ -6,6 +6,7 @@
 #   docker/base/build-base-image.sh [--tag larql-base:bookworm] [--force]
 #                                   [--mirror URL] [--security-mirror URL]
 #                                   [--extra-packages "pkg1 pkg2"] [--keep-rootfs]
+#                                   [--rootfs-cache FILE]
 #
 # Idempotent: if the tag already exists and --force is not given, it says so and
 # exits 0 at once. Needs root (debootstrap, chroot) and a reachable Docker engine.
@@ -15,11 +16,15 @@
 # --extra-packages makes the variants docker/build-images.sh uses: nginx (larql-base-nginx),
 # prometheus (larql-base-prometheus), varnish (larql-base-varnish; Debian's varnish brings gcc, which
 # compiles its VCL at start).
+# --rootfs-cache FILE: the root filesystem after debootstrap and apt-get upgrade, before the
+# packages, as a tarball: made when FILE is missing, unpacked instead of a new debootstrap when it
+# exists. docker/build-images.sh builds its four bases from one debootstrap so.
 # No libopenblas/libgomp: the manylinux numpy wheels bundle their own OpenBLAS
 # (numpy.libs/), checked with ldd in tests/test_base_image.py.
 #
 # Environment twins: LARQL_BASE_TAG, LARQL_DEBIAN_MIRROR, LARQL_DEBIAN_SECURITY_MIRROR,
-# LARQL_BASE_EXTRA_PACKAGES, LARQL_BASE_WORKDIR (where the rootfs is built; default /var/tmp).
+# LARQL_BASE_EXTRA_PACKAGES, LARQL_BASE_WORKDIR (where the rootfs is built; default /var/tmp),
+# LARQL_BASE_ROOTFS_CACHE.
 set -Eeuo pipefail
 
 SUITE=bookworm
@@ -30,12 +35,13 @@ OLD_ID=
 MIRROR="${LARQL_DEBIAN_MIRROR:-}"
 SECURITY_MIRROR="${LARQL_DEBIAN_SECURITY_MIRROR:-}"
 EXTRA_PACKAGES="${LARQL_BASE_EXTRA_PACKAGES:-}"
+ROOTFS_CACHE="${LARQL_BASE_ROOTFS_CACHE:-}"
 PACKAGES="python3 python3-venv python3-pip ca-certificates tini curl"
 
 START_TS=$(date +%s)
 log()  { printf '[build-base-image %4ss] %s\n' "$(( $(date +%s) - START_TS ))" "$*" >&2; }
 die()  { printf '[build-base-image] ERROR: %s\n' "$*" >&2; exit 1; }
-usage() { sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,27p' "$0" | sed 's/^# \{0,1\}//'; }
 
 while [[ $# -gt 0 ]]; do
   case "$1" in
@@ -49,6 +55,8 @@ while [[ $# -gt 0 ]]; do
     --extra-packages) [[ $# -ge 2 ]] || die "--extra-packages needs a value"; EXTRA_PACKAGES="$2"; shift 2 ;;
     --extra-packages=*) EXTRA_PACKAGES="${1#*=}"; shift ;;
     --keep-rootfs) KEEP_ROOTFS=1; shift ;;
+    --rootfs-cache) [[ $# -ge 2 ]] || die "--rootfs-cache needs a value"; ROOTFS_CACHE="$2"; shift 2 ;;
+    --rootfs-cache=*) ROOTFS_CACHE="${1#*=}"; shift ;;
     -h|--help) usage; exit 0 ;;
     *) usage >&2; die "unknown argument: $1" ;;
   esac
@@ -149,6 +157,11 @@ cleanup() {
 }
 trap cleanup EXIT
 
+in_chroot() { LC_ALL=C.UTF-8 LANG=C.UTF-8 DEBIAN_FRONTEND=noninteractive PATH=/usr/sbin:/usr/bin:/sbin:/bin chroot "$ROOTFS" "$@"; }
+TAR_OPTS=(--numeric-owner --xattrs --xattrs-include='*')
+
+# (the body is not indented: its here-documents end at column 0)
+new_rootfs() {  # debootstrap, apt sources and settings, apt-get update + upgrade
 log "debootstrap --variant=minbase $SUITE into $ROOTFS (this is the slow step)"
 # Only a minimal set here; the rest goes through apt in the chroot, whose resolver
 # handles dependencies (and --no-install-recommends) properly and sees security updates.
@@ -202,13 +215,31 @@ CFG
 printf '#!/bin/sh\nexit 101\n' >"$ROOTFS/usr/sbin/policy-rc.d"; chmod 755 "$ROOTFS/usr/sbin/policy-rc.d"
 cp /etc/resolv.conf "$ROOTFS/etc/resolv.conf"   # for apt in the chroot; emptied before import
 
-in_chroot() { LC_ALL=C.UTF-8 LANG=C.UTF-8 DEBIAN_FRONTEND=noninteractive PATH=/usr/sbin:/usr/bin:/sbin:/bin chroot "$ROOTFS" "$@"; }
 mount -t proc proc "$ROOTFS/proc"
 
 log "apt-get update + upgrade ($SUITE-updates${SECURITY_MIRROR:+, $SUITE-security})"
 in_chroot apt-get "${APT_OPTS[@]}" update -qq || die "apt-get update in the rootfs failed"
 in_chroot apt-get "${APT_OPTS[@]}" -y -qq upgrade >"$WORKDIR/apt-upgrade.log" 2>&1 \
   || { tail -n 30 "$WORKDIR/apt-upgrade.log" >&2; die "apt-get upgrade in the rootfs failed"; }
+}
+
+if [[ -n $ROOTFS_CACHE && -s $ROOTFS_CACHE ]]; then
+  log "rootfs from $ROOTFS_CACHE (debootstrap + upgrade of an earlier build; no new debootstrap)"
+  mkdir -p "$ROOTFS"
+  tar "${TAR_OPTS[@]}" -C "$ROOTFS" -xf "$ROOTFS_CACHE" || die "cannot unpack $ROOTFS_CACHE"
+  cp /etc/resolv.conf "$ROOTFS/etc/resolv.conf"
+  mount -t proc proc "$ROOTFS/proc"
+else
+  new_rootfs
+  if [[ -n $ROOTFS_CACHE ]]; then
+    # written under another name and renamed: a build beside this one sees a whole file or none
+    umount_under "$ROOTFS"
+    tar "${TAR_OPTS[@]}" -C "$ROOTFS" -cf "$ROOTFS_CACHE.$$" . && mv -f "$ROOTFS_CACHE.$$" "$ROOTFS_CACHE" \
+      || { rm -f "$ROOTFS_CACHE.$$"; die "cannot write the rootfs cache $ROOTFS_CACHE"; }
+    log "rootfs cached in $ROOTFS_CACHE ($(du -h "$ROOTFS_CACHE" | cut -f1))"
+    mount -t proc proc "$ROOTFS/proc"
+  fi
+fi
 
 log "apt-get install --no-install-recommends $PACKAGES $EXTRA_PACKAGES"
 # shellcheck disable=SC2086
@@ -243,7 +274,7 @@ log "rootfs ready ($(du -sh --one-file-system "$ROOTFS" | cut -f1))"
 # ---- import -------------------------------------------------------------------
 log "docker import -> $TAG"
 CREATED=$(date -u +%Y-%m-%dT%H:%M:%SZ)
-IMAGE_ID=$(tar --numeric-owner --xattrs --xattrs-include='*' -C "$ROOTFS" -cf - . | docker import \
+IMAGE_ID=$(tar "${TAR_OPTS[@]}" -C "$ROOTFS" -cf - . | docker import \
   --change 'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
   --change 'ENV LANG=C.UTF-8' \
   --change 'ENV LC_ALL=C.UTF-8' \
