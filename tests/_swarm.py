@@ -321,6 +321,9 @@ class Swarm:
     offline: bool = True
     nodes: list[Node] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
+    # images loaded by distribute(): on every node, on the manager only
+    images: set[str] = field(default_factory=set)
+    manager_images: set[str] = field(default_factory=set)
     _registry: list[subprocess.Popen] = field(default_factory=list)
     _down: bool = False
 
@@ -575,7 +578,7 @@ class Swarm:
         t0 = time.monotonic()
         if method == "load":
             with cf.ThreadPoolExecutor(2) as ex:  # the manager's own images load beside the shared ones
-                jobs = [ex.submit(self._save_load, list(images), self.nodes)]
+                jobs = [ex.submit(self._save_load, list(images), self.nodes)] if images else []
                 if manager_only:
                     jobs.append(ex.submit(self._save_load, list(manager_only), [self.manager]))
                 for j in jobs:
@@ -587,6 +590,8 @@ class Swarm:
         else:
             raise ValueError(f"unknown distribution method {method!r}")
         dt = time.monotonic() - t0
+        self.images |= set(images)
+        self.manager_images |= set(manager_only)
         self.timings[f"images via {method}"] = dt
         log(f"{len(wanted)} images on {self.size} nodes via {method} in {dt:.1f}s")
         return dt
@@ -771,6 +776,23 @@ class Swarm:
         self.manager.docker("stack", "deploy", "--resolve-image", "never", "--detach=true", *args, name,
                             timeout=timeout, env=env)
 
+    def remove_stack(self, name: str, timeout: float = 180) -> None:
+        """``docker stack rm``, then wait until its tasks' containers and its networks are gone
+        (the ports they published free again), so another stack can be deployed at once."""
+        if not self.services(name):
+            return
+        t0 = time.monotonic()
+        self.manager.docker("stack", "rm", name, timeout=60)
+        label = f"label=com.docker.stack.namespace={name}"
+
+        def gone() -> bool:
+            return not self.services(name) and not any(
+                n.docker("ps", "-q", "--filter", label).stdout.strip() for n in self.nodes) \
+                and not self.manager.docker("network", "ls", "-q", "--filter", label).stdout.strip()
+
+        until(f"stack {name} removed", gone, timeout, 1.0, describe=lambda: self.describe(name))
+        log(f"stack {name} removed in {time.monotonic() - t0:.1f}s")
+
     def services(self, stack: str) -> dict[str, dict]:
         out = self.manager.docker("stack", "services", stack, "--format", "{{json .}}").stdout
         svcs = {}
@@ -893,6 +915,42 @@ class Swarm:
 
 
 # ---- the grid on the swarm ----------------------------------------------------------------------
+
+# ---- one swarm for the session ---------------------------------------------------------------
+
+_shared: Swarm | None = None
+
+
+def shared_swarm(images: list[str], manager_only: list[str] = ()) -> Swarm:
+    """The session's swarm of 3 nodes (loaded images offline), built on first use, with ``images``
+    on every node and ``manager_only`` on the manager. The test modules marked ``shared_swarm``
+    (tests/test_swarm.py, tests/test_swarm_tls.py) take turns on it, each deploying its own stack
+    and removing it after: the swarm and the image loading (~70-90 s here) are paid once. The
+    conftest brings it down after the last test so marked that runs in a row (`release_shared`);
+    Swarm.up's atexit hook is the last resort."""
+    global _shared
+    if _shared is None or _shared._down:
+        s = Swarm(3, offline=True)
+        try:
+            s.up()
+            s.distribute(list(images), "load", manager_only=list(manager_only))
+        except BaseException:
+            s.down()
+            raise
+        _shared = s
+        return s
+    more, more_manager = set(images) - _shared.images, set(manager_only) - _shared.manager_images - _shared.images
+    if more or more_manager:
+        _shared.distribute(sorted(more), "load", manager_only=sorted(more_manager))
+    return _shared
+
+
+def release_shared() -> None:
+    global _shared
+    if _shared is not None:
+        s, _shared = _shared, None
+        s.down()
+
 
 def grid_view(url: str, timeout: float = 3.0) -> dict:
     r = httpx.get(url.rstrip("/") + "/v1/grid", timeout=timeout)

@@ -54,6 +54,18 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """After the last test in a row marked ``shared_swarm`` (its module fixtures finalized first,
+    which remove their stacks), the session's swarm comes down: it holds ~5 GiB of tmpfs and three
+    dockerds that the tests after it need no part of."""
+    yield
+    if item.get_closest_marker("shared_swarm") and (nextitem is None or not nextitem.get_closest_marker("shared_swarm")):
+        from tests import _swarm
+
+        _swarm.release_shared()
+
+
 def _under_ci() -> bool:
     return bool(os.environ.get("CI"))
 

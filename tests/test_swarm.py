@@ -36,7 +36,8 @@ import pytest
 from tests import _docker as dk
 from tests import _swarm as sw
 
-pytestmark = [pytest.mark.docker, pytest.mark.slow, pytest.mark.under_load, pytest.mark.timeout(3600)]
+pytestmark = [pytest.mark.docker, pytest.mark.slow, pytest.mark.under_load, pytest.mark.shared_swarm,
+              pytest.mark.timeout(3600)]
 
 ROOT = Path(__file__).resolve().parents[1]
 STACK = "larql"
@@ -194,16 +195,21 @@ def grid(gemma_f16, reference, golden):
     method = os.environ.get("LARQL_SWARM_IMAGES", "load")
     if method not in ("load", "registry"):
         pytest.fail(f"LARQL_SWARM_IMAGES must be load or registry, not {method!r}")
-    swarm = sw.Swarm(3, offline=method == "load")
+    # "load" runs on the session's shared swarm (tests/test_swarm_tls.py deploys its stack there
+    # next); "registry" on a swarm of its own whose nodes pull.
+    swarm = sw.Swarm(3, offline=False) if method == "registry" else None
     try:
-        swarm.up()
+        if swarm is not None:
+            swarm.up()
+        else:
+            swarm = sw.shared_swarm(spread, on_manager)
+            swarm.remove_stack(STACK)  # one an interrupted earlier module left
         if method == "registry":
             push_addr, pull_addr = swarm._ensure_registry()
             # the feature probe below runs an image on the manager: it needs one there first
             swarm._via_registry([dk.image("ffn")], [swarm.manager])
             deploy_args = ["--registry", pull_addr, "--push-registry", push_addr]
         else:
-            swarm.distribute(spread, "load", manager_only=on_manager)
             deploy_args = ["--no-push"]
         features = _probe_features(swarm)
         log(f"image features: {features}")
@@ -223,7 +229,11 @@ def grid(gemma_f16, reference, golden):
         log("timings: " + ", ".join(f"{k} {v:.0f}s" for k, v in timings.items()))
         yield g
     finally:
-        swarm.down()
+        if method == "registry":
+            if swarm is not None:
+                swarm.down()
+        elif swarm is not None:
+            swarm.remove_stack(STACK)
         log(f"swarm test module: {time.monotonic() - t0:.0f}s in all")
         host_state = sw.sh("docker", "info", "--format", "{{.Swarm.LocalNodeState}}", timeout=60).stdout.strip()
         assert host_state == "inactive", f"the host engine must stay outside any swarm (it is {host_state!r})"

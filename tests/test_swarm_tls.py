@@ -1,6 +1,7 @@
 """The Swarm stack with TLS on every hop (issue 19): deploy/swarm/deploy.sh --tls on a real swarm.
 
-tests/_swarm.py builds a two-node swarm of namespaced dockerds (a manager and a worker); the
+The stack runs on the session's swarm of namespaced dockerds (tests/_swarm.py shared_swarm: a
+manager and two workers; tests/test_swarm.py's stack is removed first); the
 certificates come from the `larql-grid certs` command the overlay's header documents (plus one
 client certificate of the same CA for this host); deploy.sh turns them into Swarm secrets and
 merges deploy/swarm/larql-grid.tls.yaml over the stack. Every process inside verifies the servers
@@ -19,7 +20,8 @@ it calls under the grid-wide name `larql-grid`. Then, from the host:
 
 Needs root and a Docker engine with the larql-* images (like tests/test_swarm.py); skipped without
 them except under CI. A second swarm beside a running one: set LARQL_SWARM_PREFIX and
-LARQL_SWARM_SUBNET. Every wait is bounded; the swarm is torn down in any case.
+LARQL_SWARM_SUBNET. Every wait is bounded; the stack is removed in any case, the swarm after the
+last test that shares it.
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ from tests import _docker as dk
 from tests import _swarm as sw
 from tests.test_tls_deploy import _swarm_certs_command
 
-pytestmark = [pytest.mark.docker, pytest.mark.slow, pytest.mark.under_load, pytest.mark.timeout(2400)]
+pytestmark = [pytest.mark.docker, pytest.mark.slow, pytest.mark.under_load, pytest.mark.shared_swarm,
+              pytest.mark.timeout(2400)]
 
 ROOT = Path(__file__).resolve().parents[1]
 STACK = "larql"
@@ -50,8 +53,8 @@ N_TOKENS = 8
 GRID_NAME = "larql-grid"
 SPREAD_ROLES = ("router", "ffn", "embed")
 MANAGER_ROLES = ("edge", "prometheus", "serve")
-# One replica of everything on two nodes: what TLS changes is every hop, not the counts (those are
-# tests/test_swarm.py's). Where Swarm places the tasks varies; any hop between the two nodes crosses
+# One replica of everything: what TLS changes is every hop, not the counts (those are
+# tests/test_swarm.py's). Where Swarm places the tasks varies; any hop between two nodes crosses
 # the overlay network, TLS inside it as on one node.
 STACK_ENV = {
     "LARQL_FFN_REPLICAS": "1",
@@ -143,10 +146,9 @@ def test_swarm_stack_with_tls_generates_over_mutual_tls_and_refuses_strangers(tm
 
     timings: dict[str, float] = {}
     t0 = time.monotonic()
-    swarm = sw.Swarm(2, offline=True)
+    swarm = sw.shared_swarm(spread, on_manager)
+    swarm.remove_stack(STACK)  # tests/test_swarm.py's, if its module did not get to remove it
     try:
-        swarm.up()
-        swarm.distribute(spread, "load", manager_only=on_manager)
         t1 = time.monotonic()
         r = _deploy(swarm, tls_dir, "--no-push", "--wait", "900")
         timings["deploy --tls to converged"] = time.monotonic() - t1
@@ -289,5 +291,5 @@ def test_swarm_stack_with_tls_generates_over_mutual_tls_and_refuses_strangers(tm
         timings["in all (swarm up to checks done)"] = time.monotonic() - t0
         sw.log("timings: " + ", ".join(f"{k} {v:.0f}s" for k, v in timings.items()))
     finally:
-        swarm.down()
-        sw.log(f"swarm TLS test: {time.monotonic() - t0:.0f}s with teardown")
+        swarm.remove_stack(STACK)
+        sw.log(f"swarm TLS test: {time.monotonic() - t0:.0f}s with the stack's removal")
