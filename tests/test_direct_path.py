@@ -325,7 +325,7 @@ def test_hedging_steps_aside_while_stalled_requests_hold_its_threads():
 @pytest.mark.multiprocess
 def test_generate_timings_add_up_to_each_tokens_wall_time(tiny_models):
     """``larql generate --timings --json`` against a grid of processes (in-process servers would share
-    the client's GIL): per decoded token, the attention computed here plus every hop's wall time
+    the client's GIL): per decoded token, what was computed here (attention, norms, sampling) plus every hop's wall time
     (compute + network) is the token's wall time within 10%; every hop is there (embed, each layer,
     logits) with the server's own time from its Server-Timing header."""
     from tests._cli import larql
@@ -479,7 +479,9 @@ def test_a_replica_that_turns_slow_is_hedged_and_then_avoided(tiny_models):
                 proxies[preferred].delay = 0.2
                 hops.drain()
         assert out == local
-        assert ffn.hedger.won - won0 >= 1 and 1 <= ffn.hedger.sent - sent0 <= 4, ffn.hedger.stats()
+        # ~40 hops follow the slow-down: had the slow replica stayed preferred, nearly all of them would be
+        # hedged; a loaded machine hedges a few hops of the fast one too (CI saw 5, one of them won)
+        assert ffn.hedger.won - won0 >= 1 and 1 <= ffn.hedger.sent - sent0 <= 10, ffn.hedger.stats()
         later = [h for h in hops.drain() if h.tier == "ffn"]
         assert any(h.hedged for h in later)
         assert sum(h.url == preferred for h in later) <= 4  # after the hedge, the slow one is left alone

@@ -108,7 +108,7 @@ class BatchEngine:
     def __init__(self, spec: ModelSpec, attn: list[AttentionLayer], embedder: EmbedProvider, ffn: FfnProvider,
                  head: TopKHead, backend: Backend):
         self.spec, self.attn, self.embedder, self.ffn, self.head, self.backend = spec, attn, embedder, ffn, head, backend
-        self.local_s = 0.0  # seconds of attention computed here, so far
+        self.local_s = 0.0  # seconds computed here (attention, norms), so far
         self.step_local: deque[float] = deque(maxlen=4096)  # ... in each recent step (metrics drain it)
         self._last: tuple = ((), np.empty((0, spec.hidden_size), np.float32))  # the last step's chunks and rows
 

@@ -161,7 +161,7 @@ class Transformer:
     ffn_provider: FfnProvider
     head: HeadProvider
     backend: Backend = field(default_factory=get_backend)
-    local_s: float = field(default=0.0, repr=False, compare=False)  # seconds of attention computed here, so far
+    local_s: float = field(default=0.0, repr=False, compare=False)  # seconds computed here (attention, norms, sampling), so far
     # one ggml graph per step (`larql_edge.model.graph`): None = LARQL_GRAPH (auto: on compact weights)
     graph: bool | None = field(default=None, repr=False, compare=False)
     _engine: object = field(default=None, init=False, repr=False, compare=False)
@@ -242,9 +242,11 @@ class Transformer:
             x = ops.rms_norm(h, w.pre_ffn_norm, eps, off)
             self.local_s += time.perf_counter() - t  # attention and norms here: --timings' "local"
             f = self.ffn_provider.ffn(layer, x)
+            t = time.perf_counter()
             if w.post_ffn_norm is not None:
                 f = ops.rms_norm(f, w.post_ffn_norm, eps, off)
             h = h + f
+            self.local_s += time.perf_counter() - t
         cache.length = start + len(ids)
         return h
 
@@ -267,10 +269,12 @@ class Transformer:
             h, x = eng.attention(layer, h, cache, st)
             self.local_s += time.perf_counter() - t
             f = self.ffn_provider.ffn(layer, x)
+            t = time.perf_counter()
             w = self.attn[layer]
             if w.post_ffn_norm is not None:
                 f = ops.rms_norm(f, w.post_ffn_norm, eps, off)
             h = h + f
+            self.local_s += time.perf_counter() - t
         cache.length = st.end
         return h
 
@@ -300,7 +304,9 @@ class Transformer:
         cache = self.new_cache()
         logits = self.next_logits(ids, cache)
         for _ in range(max_tokens):
+            t = time.perf_counter()
             tok = sample(logits, temperature, rng)
+            self.local_s += time.perf_counter() - t  # sampling is this machine's work too
             yield tok
             if tok in stop:
                 return

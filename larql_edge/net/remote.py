@@ -71,10 +71,15 @@ class Replicas:
     def request(self, urls: Sequence[str], method: str, path: str, *, content: bytes | None = None,
                 headers: dict[str, str] | None = None, about: str = "",
                 decode: Callable[[Reply], T] = lambda r: r,  # type: ignore[assignment,return-value]
-                hop: tuple[str, int | None] | None = None, waiter: Callable[[str], object] | None = None) -> T:
+                hop: tuple[str, int | None] | None = None, waiter: Callable[[str], object] | None = None,
+                started: float | None = None) -> T:
         """The first replica's decoded reply. ``decode`` raises `WireError` (or `RemoteError`) for a
         reply it cannot use: like a timeout, that is the replica's failure, and the next one is tried.
-        ``waiter(url)``: the `Waiter` of a request to ``url`` (or None), e.g. a stall bound."""
+        ``waiter(url)``: the `Waiter` of a request to ``url`` (or None), e.g. a stall bound.
+        ``started``: when the caller began the hop (``perf_counter``, before encoding its request): the
+        logged hop counts from there, so a token's hops and its local compute add up to its wall time;
+        the replica's own speed (``on_success``) is its answering attempt alone."""
+        started = time.perf_counter() if started is None else started
         key = tuple(urls)
         first = self._preferred.get(key)
         order = list(urls)
@@ -108,7 +113,7 @@ class Replicas:
                         self.answered = True
                         wall = time.perf_counter() - t0
                         if self.hops is not None and hop is not None:
-                            self.hops.add(Hop(hop[0], hop[1], url, wall, server_seconds(r)))
+                            self.hops.add(Hop(hop[0], hop[1], url, time.perf_counter() - started, server_seconds(r)))
                         if self.on_success is not None:
                             self.on_success(url, wall)
                         return value
@@ -152,6 +157,8 @@ class RemoteEmbed:
         self.identity: dict[object, str] = {}  # the vindex the embed tier first answered from
 
     def embed(self, ids: Sequence[int]) -> np.ndarray:
+        t0 = time.perf_counter()
+
         def decode(r: Reply) -> np.ndarray:
             rows = embed_wire.decode_embed_response(r.content)
             if rows.shape != (len(ids), self.hidden):
@@ -162,7 +169,7 @@ class RemoteEmbed:
         urls = self.path.embed_urls(self.urls) if self.path is not None else self.urls
         return self.replicas.request(urls, "POST", "/v1/embed", content=embed_wire.encode_embed_request(ids),
                                      headers={"content-type": ffn_wire.CONTENT_TYPE, "accept": ffn_wire.CONTENT_TYPE},
-                                     decode=decode, hop=("embed", None))
+                                     decode=decode, hop=("embed", None), started=t0)
 
 
 class RemoteHead:
@@ -190,6 +197,8 @@ class RemoteHead:
         return self.path.embed_urls(self.urls) if self.path is not None else self.urls
 
     def _raw(self, row: np.ndarray) -> np.ndarray | None:
+        t0 = time.perf_counter()
+
         def decode(r: Reply) -> np.ndarray | None:
             if r.headers.get("content-type", "").startswith("application/json"):
                 return None  # a server that only answers top-k JSON (LARQL's)
@@ -197,7 +206,7 @@ class RemoteHead:
 
         return self.replicas.request(self._urls(), "POST", "/v1/logits", content=embed_wire.encode_logits_request(row),
                                      headers={"content-type": ffn_wire.CONTENT_TYPE, "accept": ffn_wire.CONTENT_TYPE},
-                                     decode=decode, hop=("logits", None))
+                                     decode=decode, hop=("logits", None), started=t0)
 
     def _top_k(self, row: np.ndarray) -> np.ndarray:
         def decode(r: Reply) -> np.ndarray:
@@ -215,9 +224,11 @@ class RemoteHead:
                 raise RemoteError("top-k logits name no token")
             return out
 
+        t0 = time.perf_counter()
         body = json_lib.dumps({"residual": row.tolist(), "top_k": self.top_k, "temperature": 1.0}).encode()
         return self.replicas.request(self._urls(), "POST", "/v1/logits", content=body,
-                                     headers={"content-type": "application/json"}, decode=decode, hop=("logits", None))
+                                     headers={"content-type": "application/json"}, decode=decode, hop=("logits", None),
+                                     started=t0)
 
     def top_k_rows(self, h: np.ndarray, k: int, masks: Sequence[np.ndarray | None] | None = None,
                    extra: Sequence[np.ndarray | None] | None = None) -> list[Top]:
@@ -234,6 +245,7 @@ class RemoteHead:
                     for t in self.top_k_rows(rows[i : i + self.MAX_ROWS], k,
                                              None if masks is None else masks[i : i + self.MAX_ROWS],
                                              None if extra is None else extra[i : i + self.MAX_ROWS])]
+        t0 = time.perf_counter()
         masked = [i for i, m in enumerate(masks or ()) if m is not None]
         listed = [i for i, e in enumerate(extra or ()) if e is not None and len(e)]
 
@@ -282,7 +294,8 @@ class RemoteHead:
             query += f"&extra={','.join(map(str, listed))}"
             content += embed_wire.encode_extra_ids([extra[i] for i in listed])  # type: ignore[misc]
         return self.replicas.request(self._urls(), "POST", query, content=content,
-                                     headers={"content-type": ffn_wire.CONTENT_TYPE}, decode=decode, hop=("logits", None))
+                                     headers={"content-type": ffn_wire.CONTENT_TYPE}, decode=decode, hop=("logits", None),
+                                     started=t0)
 
     def _raw_rows(self, rows: np.ndarray) -> np.ndarray | None:
         """Raw logits of several rows in ONE request (the many-rows form with the binary Accept):
@@ -290,16 +303,17 @@ class RemoteHead:
         if rows.shape[0] > self.MAX_ROWS:
             parts = [self._raw_rows(rows[i : i + self.MAX_ROWS]) for i in range(0, rows.shape[0], self.MAX_ROWS)]
             return None if any(p is None for p in parts) else np.concatenate(parts)  # type: ignore[arg-type]
+        t0 = time.perf_counter()
 
         def decode(r: Reply) -> np.ndarray | None:
             if r.headers.get("content-type", "").startswith("application/json"):
                 return None
             return embed_wire.decode_logits_response(r.content, self.vocab * rows.shape[0]).reshape(rows.shape[0], -1)
 
-        return self.replicas.request(self.urls, "POST", f"/v1/logits?rows={rows.shape[0]}",
+        return self.replicas.request(self._urls(), "POST", f"/v1/logits?rows={rows.shape[0]}",
                                      content=embed_wire.encode_logits_rows_request(rows),
                                      headers={"content-type": ffn_wire.CONTENT_TYPE, "accept": ffn_wire.CONTENT_TYPE},
-                                     decode=decode)
+                                     decode=decode, hop=("logits", None), started=t0)
 
     def logits(self, h: np.ndarray) -> np.ndarray:
         rows = np.atleast_2d(np.asarray(h, dtype=np.float32))
@@ -378,7 +392,7 @@ class RemoteFfn:
             self._rows = rows
             out = self.replicas.request(direct + [u for u in fallback if u not in direct], "POST", "/v1/walk-ffn",
                                         content=body, headers=self.headers, about=f" (layer {layer})", decode=decode,
-                                        hop=("ffn", layer), waiter=self._stall_waiter)
+                                        hop=("ffn", layer), waiter=self._stall_waiter, started=t0)
         self.seconds += time.perf_counter() - t0
         self.calls += 1
         return out

@@ -1,7 +1,7 @@
 """``larql generate --timings``: where each token's time went.
 
-Per token: its wall time (from asking for it to having it), the attention computed here (the
-model's ``local_s``) and every hop it made (`larql_edge.net.hops.Hop`: the server's own time from
+Per token: its wall time (from asking for it to having it), what was computed here (the model's
+``local_s``: attention, norms, sampling) and every hop it made (`larql_edge.net.hops.Hop`: the server's own time from
 its Server-Timing header, the rest is network). The table shows, per hop of a decoded token, which
 server answered and the mean compute and network time, so a slow hop stands out.
 """
@@ -51,7 +51,7 @@ def report(tokens: list[TokenTime], hedges: dict | None = None) -> str:
     network = sum(h.network_s for h in hops) / n
     other = wall - local - draft - compute - network
     drafted = f" + draft model {draft * 1e3:.2f} ms" if any(t.draft_s for t in decoded) else ""
-    lines = [f"timings: mean of {n} decoded tokens: {wall * 1e3:.2f} ms = local attention {local * 1e3:.2f} ms"
+    lines = [f"timings: mean of {n} decoded tokens: {wall * 1e3:.2f} ms = local compute {local * 1e3:.2f} ms"
              f"{drafted} + {len(hops) / n:.0f} hops ({compute * 1e3:.2f} ms compute, {network * 1e3:.2f} ms network)"
              f" + other {other * 1e3:.2f} ms"]
     by: dict[tuple[int, str], list[Hop]] = defaultdict(list)

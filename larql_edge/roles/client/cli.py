@@ -47,7 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     f.add("--draft", default=None, metavar="VINDEX", help="draft with this small full vindex run whole here (same "
           "tokenizer as --vindex; e.g. the q4k vindex of the same model) instead of n-gram lookup")
     f.switch("--timings", help="after the text, where each decoded token's time went: per hop (embed, every layer, "
-             "logits) the server's compute and the network time, and the attention computed here (with --json: per token)")
+             "logits) the server's compute and the network time, and what was computed here: attention, norms, "
+             "sampling (with --json: per token)")
     f.add("--metrics-file", default=None, metavar="FILE", help="write the per-tier time split as Prometheus text "
           "(larql_client_*) to FILE at the end (a node_exporter textfile collector reads it)")
     g.set_defaults(func=generate)
