@@ -171,3 +171,38 @@ def test_attention_only_graphs_with_a_remote_ffn(tiny_models, family):
     for t in IDS[6:]:
         np.testing.assert_allclose(split.next_logits([t], c2), whole.next_logits([t], c1), atol=TOL[family], rtol=0)
     assert split.ffn_provider.calls == whole.spec.num_layers * (1 + len(IDS[6:]))
+
+
+def test_two_models_stepping_on_two_threads_at_once_give_each_ones_own_logits(tiny_models):
+    """Two models in one process, each on its own thread, at 2 kernel threads: the process's one ggml
+    thread pool works on one graph at a time (two at once corrupted each other's work: NaN rows to the
+    router, then a segfault, in test_swarm's in-process streams)."""
+    import threading
+
+    from larql_edge.model.kernels import get_threads, set_threads
+
+    before = get_threads()
+    set_threads(2)
+    try:
+        models = [Transformer.local(tiny_models[f], backend=get_backend("compact"), graph=True)
+                  for f in ("gemma3", "llama", "gemma3", "llama")]
+        want = [m.next_logits(IDS) for m in models]
+        bad: list[str] = []
+
+        def spin(i: int) -> None:
+            m = models[i]
+            for r in range(150):
+                got = m.next_logits(IDS)
+                if not np.array_equal(got, want[i]):
+                    bad.append(f"model {i} round {r}: max |diff| {np.nanmax(np.abs(got - want[i]))}")
+                    return
+
+        threads = [threading.Thread(target=spin, args=(i,), daemon=True) for i in range(len(models))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not any(t.is_alive() for t in threads), "a step hung (ggml's pool on two graphs at once)"
+        assert not bad, bad
+    finally:
+        set_threads(before)

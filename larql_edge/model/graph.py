@@ -87,27 +87,35 @@ class GraphCache:
 
 
 class _Pool:
-    """The process's one ggml thread pool (None for one thread: the calling thread computes alone)."""
+    """The process's one ggml thread pool (None for one thread: the calling thread computes alone).
+
+    A ggml thread pool works on one graph at a time: two graphs computed on it at once (two models
+    in one process on two threads, e.g. in-process clients generating side by side) corrupt each
+    other's work; seen as NaN rows sent to the router, then a segfault inside ggml_graph_compute
+    (tests/test_swarm.py's in-process streams, 2 threads, load ~5). So a multi-thread compute holds
+    the pool's lock, and the pool is only replaced under it. One thread needs no pool and no lock."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.n = 0
         self.ptr: int | None = None
 
-    def get(self) -> tuple[int, int | None]:
+    def run(self, step: "_Step") -> None:
         n = get_threads()
-        if n != self.n:
-            with self.lock:
-                if n != self.n:
-                    L = _ggml.lib()
-                    if self.ptr:
-                        L.cpu.ggml_threadpool_free(self.ptr)
-                        self.ptr = None
-                    if n > 1:
-                        params = L.base.ggml_threadpool_params_default(n)
-                        self.ptr = L.cpu.ggml_threadpool_new(C.byref(params))
-                    self.n = n
-        return self.n, self.ptr
+        if n == 1 and self.n in (0, 1):
+            step.run(1, None)
+            return
+        with self.lock:
+            if n != self.n:
+                L = _ggml.lib()
+                if self.ptr:
+                    L.cpu.ggml_threadpool_free(self.ptr)
+                    self.ptr = None
+                if n > 1:
+                    params = L.base.ggml_threadpool_params_default(n)
+                    self.ptr = L.cpu.ggml_threadpool_new(C.byref(params))
+                self.n = n
+            step.run(self.n, self.ptr)
 
 
 _pool = _Pool()
@@ -460,7 +468,7 @@ class GraphEngine:
             st = self.begin(seq, cache)
             g = self._graph(seq, cache.capacity, st.lens, head)
             self._bind(g, rows, cache, st)
-            g.run(*_pool.get())
+            _pool.run(g)
             cache.length = st.end
             return g.out.copy()
 
@@ -514,7 +522,7 @@ class GraphEngine:
         with self._lock:
             g = self._graph(h.shape[0], cache.capacity, st.lens, False, layer)
             self._bind(g, h, cache, st)
-            g.run(*_pool.get())
+            _pool.run(g)
             return g.out.copy(), g.out_x.copy()
 
 
