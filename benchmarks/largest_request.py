@@ -143,7 +143,7 @@ def main() -> int:
         f"verdict: health p99 <= {HEALTH_P99_BOUND_MS:g} ms and RSS within the stated bound")
     say("")
     ok = True
-    hogs = cpu_hogs(args.hogs)
+    hogs = cpu_hogs(args.hogs, limit_s=3600)  # stops by itself if this run dies without its finally
     hogs.__enter__()
     try:
         router = sup.start("router", ["larql-router", "--port", str(rp), *common], u(rp))

@@ -134,3 +134,18 @@ def test_ci_load_run_60s_passes_every_threshold(gemma_f16, tmp_path):
     stats = verdict["stats"]
     for name in ("embed GET /v1/embed/{id}", "edge GET /v1/embed/{id}", "router STEP token", "router POST /v1/walk-ffn"):
         assert stats[name]["requests"] > 0, name
+
+
+@pytest.mark.multiprocess
+def test_cpu_hogs_stop_by_themselves_when_nobody_stops_them():
+    """A crashed test process never runs `cpu_hogs`'s finally: the hogs carry their own time limit."""
+    import time
+
+    from larql_edge.testing.load import cpu_hogs
+
+    with cpu_hogs(1, limit_s=2) as proc:
+        assert proc is not None and proc.poll() is None  # running
+        deadline = time.monotonic() + 30
+        while proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert proc.poll() is not None, "stress-ng ran past its --timeout"
