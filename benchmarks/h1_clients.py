@@ -41,6 +41,7 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 REPO = Path(__file__).resolve().parent.parent
 
 import numpy as np  # noqa: E402  (after the BLAS pin above)
+from _support import save_keeping_earlier  # noqa: E402  (benchmarks/ is the script's folder)
 
 from larql_edge.wire import ffn as ffn_wire  # noqa: E402
 
@@ -446,8 +447,7 @@ def main() -> None:
             proc.kill()
             proc.wait(5)
     say(f"(took {time.perf_counter() - t0:.0f} s; load average at end {os.getloadavg()[0]:.2f})")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text("\n".join(lines) + "\n")
+    save_keeping_earlier(args.out, lines)
 
 
 if __name__ == "__main__":

@@ -22,20 +22,21 @@ from urllib.parse import urlsplit
 
 from larql_edge.net.h1 import (
     DEFAULT_MAX_BODY,
+    MAX_HEAD,
+    MAX_HEADERS,
+    PIECE,
     ConnectFailed,
     ConnectionLost,
     MalformedReply,
     Reply,
     ReplyTooLarge,
     TimedOut,
+    body_framing,
+    chunk_size,
+    parse_head,
+    request_head,
 )
 from larql_edge.net.tls import client_context, verify_name
-
-PIECE = 64 << 10  # close-delimited bodies are read in pieces, so the size bound stops early
-_HEX = b"0123456789abcdefABCDEF"
-# Largest reply head (status line and headers) read; also the longest chunk size or trailer line.
-MAX_HEAD = 64 << 10
-MAX_HEADERS = 100  # as http.client (the sync client) accepts
 
 
 @lru_cache(maxsize=1024)
@@ -115,14 +116,8 @@ class H1Pool:
                       max_body: int | None = None) -> Reply:
         host, host_header, port, target, scheme = _split(url)
         key = (host, port, scheme)
-        head = [f"{method} {target} HTTP/1.1", f"host: {host_header}"]
-        for k, v in (headers or {}).items():
-            if k.lower() not in ("host", "content-length", "connection", "transfer-encoding"):
-                head.append(f"{k}: {v}")
         body = content or b""
-        if body or method in ("POST", "PUT", "PATCH"):
-            head.append(f"content-length: {len(body)}")
-        raw = ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body
+        raw = request_head(method, target, host_header, headers, body) + body
         limit = self.max_body if max_body is None else max_body
         wait = timeout or self.timeout
         for attempt in (0, 1):
@@ -176,24 +171,18 @@ class H1Pool:
             raise _NothingReceived from None
         except asyncio.LimitOverrunError:
             raise MalformedReply(f"reply head larger than {MAX_HEAD} bytes") from None
-        status, version, headers = _parse_head(head)
+        status, version, headers = parse_head(head)
         while 100 <= status < 200 and status != 101:  # an interim reply: the real one follows
-            status, version, headers = _parse_head(await self._until(reader, b"\r\n\r\n", "reply head"))
-        keep = version == "HTTP/1.1" and "close" not in _tokens(headers.get("connection", ""))
-        if method == "HEAD" or status in (204, 304) or 100 <= status < 200:
-            return Reply(status, headers, b""), keep
-        if "chunked" in _tokens(headers.get("transfer-encoding", "")):  # it wins over Content-Length
+            status, version, headers = parse_head(await self._until(reader, b"\r\n\r\n", "reply head"))
+        kind, n, keep = body_framing(method, status, version, headers, limit)
+        if kind == "none":
+            body = b""
+        elif kind == "chunked":
             body = await self._chunked(reader, limit)
-        elif "content-length" in headers:
-            length = headers["content-length"]
-            if not (length.isascii() and length.isdigit()):
-                raise MalformedReply(f"invalid Content-Length {length[:40]!r}")
-            n = int(length)
-            if n > limit:
-                raise ReplyTooLarge(f"reply of {n} bytes, more than the {limit} accepted")
+        elif kind == "length":
             body = await reader.readexactly(n)
         else:
-            body, keep = await self._until_close(reader, limit), False
+            body = await self._until_close(reader, limit)
         return Reply(status, headers, body), keep
 
     @staticmethod
@@ -207,11 +196,7 @@ class H1Pool:
         parts: list[bytes] = []
         total = 0
         while True:
-            line = await self._until(reader, b"\r\n", "chunk size line")
-            size_text = line.split(b";", 1)[0].strip()  # chunk extensions are ignored
-            if not size_text or size_text.strip(_HEX) or len(size_text) > 16:
-                raise MalformedReply(f"malformed chunk size line {line[:40]!r}")
-            size = int(size_text, 16)
+            size = chunk_size(await self._until(reader, b"\r\n", "chunk size line"))
             if size == 0:
                 break
             total += size
@@ -242,25 +227,3 @@ class H1Pool:
                 conn.close()
         self._idle.clear()
 
-
-def _parse_head(head: bytes) -> tuple[int, str, dict[str, str]]:
-    """Status, version and headers (lower-case names) of a head that ends with a blank line."""
-    lines = head[:-4].decode("latin-1").split("\r\n")
-    version, _, rest = lines[0].partition(" ")
-    code = rest[:3]
-    if (version not in ("HTTP/1.1", "HTTP/1.0") or len(code) != 3 or not (code.isascii() and code.isdigit())
-            or rest[3:4] not in ("", " ")):
-        raise MalformedReply(f"malformed status line {lines[0][:80]!r}")
-    if len(lines) > MAX_HEADERS + 1:
-        raise MalformedReply(f"more than {MAX_HEADERS} header lines")
-    headers: dict[str, str] = {}
-    for line in lines[1:]:
-        name, colon, value = line.partition(":")
-        if not colon or not name or name != name.strip():  # also a folded (continued) line
-            raise MalformedReply(f"malformed header line {line[:80]!r}")
-        headers[name.lower()] = value.strip()
-    return int(code), version, headers
-
-
-def _tokens(value: str) -> list[str]:
-    return [t.strip().lower() for t in value.split(",")]
