@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -204,6 +205,9 @@ def main() -> int:
         ap.error(f"--part: unknown {', '.join(sorted(parts - set(PARTS)))}; expected some of {', '.join(PARTS)}")
     if args.quick:
         args.tokens, args.rounds, args.lookups = 12, 1, 2000
+    missing = [c for c in ("larql-embed", "larql-ffn", "larql-router") if shutil.which(c) is None]
+    if missing and parts - {"local", "llama"}:  # the serving parts start the roles as processes
+        ap.error(f"{', '.join(missing)} not on PATH: run from the project's venv (. .venv/bin/activate)")
     lines: list[str] = []
 
     def say(s: str = "") -> None:
