@@ -159,3 +159,29 @@ def test_commands_are_named_by_path_when_the_venv_is_not_on_path(tmp_path, monke
     assert console_script("larql-embed") == ".venv/bin/larql-embed"
     monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")  # activated: by name, as the README shows
     assert console_script("larql") == "larql"
+
+
+def test_up_gives_the_callers_signal_handlers_back(tiny_models, tmp_path, monkeypatch):
+    """`up` ignores SIGINT/SIGTERM while it stops its roles, and left them ignored when it returned: a
+    caller of main() in the same process (a test session) then never saw Ctrl-C again, nor did any
+    process it started after (an ignored signal is inherited). A supervisor that cannot start the
+    router stands in for the processes (this tier starts none): `up` fails and gives them back."""
+    from larql_edge.tools.grid import cli
+
+    class NoStart:
+        roles: list = []
+
+        def __init__(self, *a, **kw):
+            pass
+
+        def start(self, name, *a, **kw):
+            raise RuntimeError(f"{name} cannot start here")
+
+        def stop_all(self):
+            pass
+
+    monkeypatch.setattr(cli, "Supervisor", NoStart)
+    before = (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM))
+    r = run_cli(cli.main, "up", "--vindex", str(tiny_models["llama"]), "--shards", "1", "--log-dir", str(tmp_path))
+    assert r.returncode == 1 and "router cannot start here" in r.stderr, r.stderr
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before

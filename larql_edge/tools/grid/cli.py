@@ -130,7 +130,9 @@ def up_command(args: argparse.Namespace) -> int:
         stopping = True
         raise KeyboardInterrupt
 
-    # Explicitly, for both: a shell starting us in the background hands us SIGINT ignored.
+    # Explicitly, for both: a shell starting us in the background hands us SIGINT ignored. What was
+    # there comes back when we return: a caller of main() (the tests) must not be left with them ignored.
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     try:
@@ -173,6 +175,8 @@ def up_command(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         sup.stop_all()
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
         print("larql-grid: stopped.", file=sys.stderr, flush=True)
 
 
