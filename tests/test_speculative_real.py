@@ -21,6 +21,9 @@ from tests._grid import Procs, larql, remote_args, start_grid
 pytestmark = [pytest.mark.multiprocess, pytest.mark.real_model]
 
 TOKENS = 64
+# larql-serve's 8 streams x 3 servers: 32 tokens a stream (64 took this test 79 s on Gemma, the slow
+# tier's longest after the Swarm's; the partings it guards came at token 20)
+SERVE_TOKENS = 32
 CODE = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n"
 EXTRACT = ("Text: Alice Johnson lives in Berlin. Bob Smith lives in Paris. Carol White lives in Rome.\n"
            "Names and cities:\n- Alice Johnson: Berlin\n-")
@@ -52,8 +55,9 @@ def remote(real_grid, real_quantized):
             "draft": sp.ModelDrafter(Transformer.local(real_quantized(real_grid["model"], "q4k")))}
 
 
-# the golden prompts (3 per model), and two whose continuation copies from the input
-@pytest.mark.parametrize("which", ["golden-0", "golden-1", "golden-2", "code", "extract"])
+# two of the golden prompts (golden-1 still runs in larql-serve's 8 streams below, against plain
+# decoding), and two whose continuation copies from the input
+@pytest.mark.parametrize("which", ["golden-0", "golden-2", "code", "extract"])
 def test_greedy_speculation_through_a_grid_of_processes_equals_plain_decoding(real_grid, remote, golden, which):
     cases = golden(real_grid["model"])["prompts"]
     case = cases[int(which[-1])] if which.startswith("golden") else {"prompt": CODE if which == "code" else EXTRACT}
@@ -105,7 +109,7 @@ def test_larql_serve_8_concurrent_streams_with_speculation_equal_without(real_gr
     prompts = (prompts * 2)[:8]
 
     def run(url: str, prompt: str) -> tuple:
-        r = httpx.post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": TOKENS, "temperature": 0,
+        r = httpx.post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": SERVE_TOKENS, "temperature": 0,
                                                         "logprobs": 0}, timeout=1200)
         assert r.status_code == 200, r.text
         c = r.json()["choices"][0]
