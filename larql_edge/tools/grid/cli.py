@@ -176,7 +176,8 @@ def up_command(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         sup.stop_all()
         for sig, handler in before.items():
-            signal.signal(sig, handler)
+            if handler is not None:  # None: set outside Python, which cannot be put back from here
+                signal.signal(sig, handler)
         print("larql-grid: stopped.", file=sys.stderr, flush=True)
 
 
