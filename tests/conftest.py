@@ -2,7 +2,7 @@
 
 Tiers: ``-m "not slow"`` is the fast tier: in-process (servers run in threads, CLIs through their
 ``main``), no subprocess at all (`_no_subprocess_in_the_fast_tier` fails a test that starts one),
-tiny models generated in-test. `scripts/test -m "not slow"` runs it on 3 pytest-xdist workers
+tiny models generated in-test. `scripts/test -m "not slow"` runs it on 2 pytest-xdist workers
 (`TEST_WORKERS=1`: one process), a test file per worker at a time (module fixtures are built once;
 tests must not share ports, files or environment across files). ``slow`` is added to every test marked ``real_model``, ``multiprocess`` or
 ``docker``, and to every test that uses a real-model fixture; an in-process test that takes tens of
@@ -23,32 +23,9 @@ import os
 import subprocess
 from pathlib import Path
 
-import httpx._transports.default as _httpx_transports
 import pytest
 
 DATA = Path(__file__).parent / "data"
-
-
-def _share_httpx_default_context() -> None:
-    """httpx builds a new SSL context for every client, ``httpx.get``/``post`` included: ~37 ms of CPU
-    each (certifi's bundle parsed again), for URLs that are all http:// here but a few. The fast tier's
-    hundreds of such calls spent several seconds on it. Here the clients that ask for the default
-    verification share one context; a client given its own (``verify=ctx``: the TLS tests) keeps it.
-    No production code takes this path: it uses ``net.tls.client_context()``, built once."""
-    build = _httpx_transports.create_ssl_context
-    shared: list = []
-
-    def create_ssl_context(verify=True, cert=None, trust_env=True):
-        if verify is not True or cert is not None or not trust_env:
-            return build(verify=verify, cert=cert, trust_env=trust_env)
-        if not shared:
-            shared.append(build())
-        return shared[0]
-
-    _httpx_transports.create_ssl_context = create_ssl_context
-
-
-_share_httpx_default_context()
 GOLDEN = {"gemma3-270m": DATA / "golden" / "gemma-3-270m.json", "smollm2-135m": DATA / "golden" / "smollm2-135m-instruct.json"}
 TIER_MARKERS = ("real_model", "multiprocess", "docker")
 REAL_MODEL_FIXTURES = {"gemma_f32", "gemma_f16", "smol_f32", "smol_f16", "real_grid_f32"}
