@@ -169,8 +169,6 @@ def test_up_gives_the_callers_signal_handlers_back(tiny_models, tmp_path, monkey
     from larql_edge.tools.grid import cli
 
     class NoStart:
-        roles: list = []
-
         def __init__(self, *a, **kw):
             pass
 

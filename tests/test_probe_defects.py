@@ -113,8 +113,8 @@ def test_a_prompt_longer_than_the_context_can_hold_is_refused_untokenized(tiny_m
     characters than the context's tokens can stand for is now a 400 before any tokenizing, and
     health stays as fast as without it. Baseline: tokenizing that prompt here, in this run."""
     with _serve(tiny_models["gemma3"], grid["router"].url, Limits(context=64)) as s:
-        # 1.3 MB: 20,000 times what a 64-token context can stand for (the 3.8 MB of the report showed
-        # the same; tokenizing it for the baseline cost this tier ~3 s more)
+        # 1.3 MB, far past what a 64-token context can stand for (the report's 3.8 MB showed the same;
+        # tokenizing it for the baseline cost this tier ~3 s more)
         prompt = "the capital of france is paris. " * 40_000
         baseline = _encode_seconds(tokenizer, prompt)
         with HealthPoller(s.url) as health, ThreadPoolExecutor(4) as ex:
