@@ -2,7 +2,7 @@
 
 Tiers: ``-m "not slow"`` is the fast tier: in-process (servers run in threads, CLIs through their
 ``main``), no subprocess at all (`_no_subprocess_in_the_fast_tier` fails a test that starts one),
-tiny models generated in-test. `scripts/test -m "not slow"` runs it on 2 pytest-xdist workers
+tiny models generated in-test. `scripts/test -m "not slow"` runs it on 3 pytest-xdist workers
 (`TEST_WORKERS=1`: one process), a test file per worker at a time (module fixtures are built once;
 tests must not share ports, files or environment across files). ``slow`` is added to every test marked ``real_model``, ``multiprocess`` or
 ``docker``, and to every test that uses a real-model fixture; an in-process test that takes tens of
