@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from tests._swarm import _alive, _wait_gone
+
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.multiprocess
 
@@ -50,14 +52,6 @@ def _env(clone: Path, **kw: str) -> dict[str, str]:
     env.pop("TEST_WORKERS", None)
     env.update(kw)
     return env
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def test_the_build_runs_beside_the_fast_tier_and_the_slow_tier_waits_for_it(clone):
@@ -101,10 +95,7 @@ def test_ctrl_c_during_the_fast_tier_stops_the_build_too(clone):
         _, err = p.communicate(timeout=20)
         assert p.returncode == 130, err
         assert "stopped the image build" in err
-        deadline = time.monotonic() + 10
-        while _alive(build_pid) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not _alive(build_pid), "the image build was left running after Ctrl-C"
+        assert not _wait_gone([build_pid], 10), "the image build was left running after Ctrl-C"
         assert len((clone / "pytest.log").read_text().splitlines()) == 1  # no slow tier after it
     finally:
         for pid in (p.pid, build_pid):
