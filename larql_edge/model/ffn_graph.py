@@ -156,7 +156,10 @@ class FfnGraphs:
             out = np.empty((n, ws[2].rows), np.float32)
         elif out.dtype != np.float32 or out.shape != (n, ws[2].rows) or not out.flags.c_contiguous:
             raise _ggml.KernelError(f"out must be a C-contiguous float32 [{n}, {ws[2].rows}] array")
-        key = (n, ws[0].kind, ws[1].kind, ws[2].kind)
+        # fewer rows than the build's min_rows (a native ggml with llamafile's sgemm): that many
+        # copies of the rows, so that one row is summed as it is among others (kernels._ggml.sgemm_min_rows)
+        rows = max(n, _ggml.min_rows())
+        key = (rows, ws[0].kind, ws[1].kind, ws[2].kind)
         free = self._free.get(key)
         if free is None:
             if len(self._free) >= _MAX_KEYS:
@@ -165,9 +168,15 @@ class FfnGraphs:
         try:
             st = free.pop()
         except IndexError:
-            st = _FfnStep(n, self.glu, key[1:])
+            st = _FfnStep(rows, self.glu, key[1:])
         try:
-            st.run(ws, x, out)
+            if rows == n:
+                st.run(ws, x, out)
+            else:
+                xp, yp = np.empty((rows, x.shape[1]), np.float32), np.empty((rows, out.shape[1]), np.float32)
+                xp[:n], xp[n:] = x, x[:1]
+                st.run(ws, xp, yp)
+                out[:] = yp[:n]
         finally:
             free.append(st)
         return out

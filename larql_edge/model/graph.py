@@ -13,7 +13,7 @@ Layout (ggml's ``ne`` order, fastest first):
   capacity]`` (transposed, so that ``softmax(QK) @ V`` is a plain ``ggml_mul_mat``, as llama.cpp does
   without flash attention); float32, zero-filled (a masked position must hold a finite number);
 - attention reads a window of ``L`` cache positions (``L`` rounded up to `_BUCKET`, so that a graph
-  serves 32 consecutive steps), masked by a ``[seq, L]`` additive mask computed per step.
+  serves 64 consecutive steps), masked by a ``[seq, L]`` additive mask computed per step.
 
 A graph is built per (rows, cache capacity, attended lengths, head or not) and reused; what changes
 per step (the cache's write and read offsets, positions, mask, input rows) is written into buffers
@@ -38,7 +38,10 @@ from larql_edge.model.spec import ModelSpec
 
 _F32, _I32 = 0, 26  # ggml_type numbers
 _ROPE_NORM, _ROPE_NEOX = 0, 2  # RoPE on adjacent pairs / on halves (GGML_ROPE_TYPE_NEOX)
-_BUCKET = 32  # attended lengths are rounded up to this: one graph serves this many decode steps
+_BUCKET = 64  # attended lengths are rounded up to this: one graph serves this many decode steps.
+# 64, not 32: an AVX-512 build of ggml sums an f16 dot product 64 values at a time (GGML_F16_STEP) and
+# a shorter one in a scalar tail, so with 32 a row attending 32 keys and one attending 64 (the masked
+# half zeros) summed in other orders; 64 is a whole step on AVX2 and AVX-512 alike (DESIGN.md §4.3)
 _CHUNK = 64  # a longer prompt is computed in chunks of this many rows (bounded graph buffers)
 _FIRST_CAPACITY = 256
 _MAX_GRAPHS = 8
@@ -211,13 +214,15 @@ class _Step:
             kq_scale = float(s.attn_scale)
             if eng.scale_q:  # Gemma in llama.cpp: q scaled before QK, softmax unscaled (same math, its rounding)
                 q, kq_scale = b.ggml_scale(ctx, q, kq_scale), 1.0
-            kq = nm(b.ggml_mul_mat(ctx, kr, b.ggml_permute(ctx, q, 0, 2, 1, 3)), "kq", li)  # [n_att, seq, nq]
+            kq = nm(_ggml.mul_mat(ctx, kr, b.ggml_permute(ctx, q, 0, 2, 1, 3)), "kq", li)  # [n_att, seq, nq]
+            if seq < _ggml.min_rows():  # a view of the padded rows' product: softmax wants it whole
+                kq = b.ggml_cont(ctx, kq)
             if s.attn_logit_softcapping:
                 cap_ = float(s.attn_logit_softcapping)
                 kq = b.ggml_scale(ctx, b.ggml_tanh(ctx, b.ggml_scale(ctx, kq, kq_scale / cap_)), cap_)
                 kq_scale = 1.0
             kq = nm(b.ggml_soft_max_ext(ctx, kq, masks[window], kq_scale, 0.0), "kq_soft_max", li)
-            o = nm(b.ggml_mul_mat(ctx, vr, kq), "kqv", li)  # [hd, seq, nq]
+            o = nm(_ggml.mul_mat(ctx, vr, kq), "kqv", li)  # [hd, seq, nq]
             o = nm(b.ggml_cont_2d(ctx, b.ggml_permute(ctx, o, 0, 2, 1, 3), hd * nq, seq), "kqv_out", li)
             a = nm(eng.mm(ctx, lw.o, o), "attn_out", li)
             if lw.post_attn is not None:
@@ -397,7 +402,7 @@ class GraphEngine:
         pad = w.contents.ne[0] - x.contents.ne[0]
         if pad:
             x = b.ggml_pad(ctx, x, pad, 0, 0, 0)
-        return b.ggml_mul_mat(ctx, w, x)
+        return _ggml.mul_mat(ctx, w, x)
 
     def norm(self, ctx, x, w: Any, eps: float | None = None):
         b = _ggml.lib().base

@@ -22,6 +22,7 @@ NULL) spawns threads on every product, 20-80x slower on this loaded 2-core machi
 from __future__ import annotations
 
 import ctypes as C
+import platform
 import sys
 import threading
 from functools import lru_cache
@@ -148,6 +149,7 @@ class _Lib:
             self.to_float["f16"] = _TO_FLOAT(("ggml_cpu_fp16_to_fp32", c))
         self.features = {f: bool(getattr(c, f"ggml_cpu_has_{f}")()) for f in _CPU_FEATURES
                          if hasattr(c, f"ggml_cpu_has_{f}")}
+        self.min_rows = sgemm_min_rows(self.features, platform.machine())
 
     def _bind_graph_api(self) -> None:
         """The ops a whole decode step is built from (`larql_edge.model.graph`), ggml's allocator and
@@ -164,6 +166,7 @@ class _Lib:
             "ggml_view_2d": [V, _TP, I64, I64, C.c_size_t, C.c_size_t],
             "ggml_view_3d": [V, _TP, I64, I64, I64, C.c_size_t, C.c_size_t, C.c_size_t],
             "ggml_permute": [V, _TP, INT, INT, INT, INT], "ggml_transpose": [V, _TP], "ggml_pad": [V, _TP, INT, INT, INT, INT],
+            "ggml_concat": [V, _TP, _TP, INT], "ggml_cont": [V, _TP],
         }
         for name, args in sig.items():
             f = getattr(b, name)
@@ -187,6 +190,7 @@ class _Lib:
             "version": f"{self.base.ggml_version().decode()} (wheel {self.version}, commit {self.base.ggml_commit().decode()})",
             "build": self.build,
             "path": str(self.path),
+            "min_rows": self.min_rows,
             "cpu_features": sorted(f for f, on in self.features.items() if on),
         }
 
@@ -211,6 +215,41 @@ def build_kind(wheel_tags: list[str]) -> str:
         return "unknown"
     portable = any(t.rsplit("-", 1)[-1].startswith(("manylinux", "musllinux", "macosx", "win")) for t in wheel_tags)
     return "prebuilt" if portable else "native"
+
+
+def sgemm_min_rows(features: dict[str, bool], machine: str) -> int:
+    """The fewest rows of x a product is computed with, so that a row's floats never depend on how
+    many rows come with it (exact speculation and serve's batched == alone rest on that).
+
+    ggml built with llamafile's sgemm (a native build, `GGML_LLAMAFILE`; the prebuilt wheels have
+    none) sends 2+ rows of x on x86 to tinyBLAS and one row to `vec_dot`, which sum in other orders;
+    inside tinyBLAS an element's sum does not depend on its tile (DESIGN.md §4.3). So there a 1-row
+    product runs as 2 rows (the row twice, one result kept). On arm64 tinyBLAS starts at 2, 4 or 8
+    rows by type: not measured here, left at 1 (such a build parts at those counts)."""
+    x86 = machine.lower() in ("x86_64", "amd64", "x86", "i386", "i686")
+    return 2 if features.get("llamafile") and x86 else 1
+
+
+def min_rows() -> int:
+    return lib().min_rows
+
+
+def mul_mat(ctx: int, w, x):
+    """``ggml_mul_mat(w, x)`` in a graph, x's rows (dim 1) padded with copies up to `min_rows`; the
+    result is the view of the real rows (contiguous for a 2-D x; ``ggml_cont`` it before an op that
+    needs that, e.g. softmax)."""
+    b = lib().base
+    n = x.contents.ne[1]
+    if n >= lib().min_rows:
+        return b.ggml_mul_mat(ctx, w, x)
+    xx = x
+    while xx.contents.ne[1] < lib().min_rows:
+        xx = b.ggml_concat(ctx, xx, x, 1)
+    y = b.ggml_mul_mat(ctx, w, xx)
+    t = y.contents
+    if t.ne[2] == 1 and t.ne[3] == 1:
+        return b.ggml_view_2d(ctx, y, t.ne[0], n, t.nb[1], 0)
+    return b.ggml_view_3d(ctx, y, t.ne[0], n, t.ne[2], t.nb[1], t.nb[2], 0)
 
 
 _lib_lock = threading.Lock()
@@ -322,21 +361,41 @@ class MulMat:
             w.contents.data = wdata.ctypes.data
             if w.contents.nb[1] != wdata.strides[0]:
                 raise KernelError(f"weight row bytes {wdata.strides[0]} != ggml's {w.contents.nb[1]}")
-        x = L.base.ggml_new_tensor_2d(self._ctx, TYPE["f32"], kcols, n)
+        # fewer rows than the build's `min_rows`: computed as that many copies of the row, in buffers
+        # of this graph, and one result row copied out
+        self._pad: tuple[np.ndarray, np.ndarray, int, int] | None = None
+        ng = n
+        if n < L.min_rows:
+            ng, wrows = L.min_rows, w.contents.ne[1]
+            xp, yp = np.empty((ng, kcols), np.float32), np.empty((ng, wrows), np.float32)
+            self._pad, ystride = (xp, yp, n, ystride * 4), wrows
+        x = L.base.ggml_new_tensor_2d(self._ctx, TYPE["f32"], kcols, ng)
         y = L.base.ggml_mul_mat(self._ctx, w, x)
         y.contents.nb[1] = ystride * 4  # write straight into the caller's [n, all rows] output
-        y.contents.nb[2] = y.contents.nb[3] = ystride * 4 * n
+        y.contents.nb[2] = y.contents.nb[3] = ystride * 4 * ng
         self._graph = L.base.ggml_new_graph_custom(self._ctx, 4, False)
         L.base.ggml_build_forward_expand(self._graph, y)
         self._plan = L.cpu.ggml_graph_plan(self._graph, 1, None)
         self._work = np.empty(max(1, self._plan.work_size), np.uint8)
         self._plan.work_data = self._work.ctypes.data
         self._x, self._y = x.contents, y.contents
+        if self._pad is not None:
+            self._x.data, self._y.data = self._pad[0].ctypes.data, self._pad[1].ctypes.data
         self._keep = (wdata, repacked)
         self._compute = L.cpu.ggml_graph_compute
         self._plan_ref = C.byref(self._plan)
 
     def run(self, x_ptr: int, y_ptr: int) -> None:
+        if self._pad is not None:
+            xp, yp, n, ybytes = self._pad
+            xb, yb = xp.strides[0], yp.strides[0]
+            for r in range(xp.shape[0]):  # the real rows, then copies of the first
+                C.memmove(xp.ctypes.data + r * xb, x_ptr + (r if r < n else 0) * xb, xb)
+            if self._compute(self._graph, self._plan_ref) != 0:
+                raise KernelError("ggml_graph_compute failed")
+            for r in range(n):
+                C.memmove(y_ptr + r * ybytes, yp.ctypes.data + r * yb, yb)
+            return
         self._x.data = x_ptr
         self._y.data = y_ptr
         if self._compute(self._graph, self._plan_ref) != 0:
