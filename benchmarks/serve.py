@@ -9,7 +9,7 @@ and the FFN requests per step (the number of layers, whatever the concurrency: c
 
 --baseline DIR: two grids side by side, every role of one run from DIR (PYTHONPATH; with DIR's own .venv, or
 --baseline-python, its interpreter and entry points, so an older tree keeps the dependencies it declared),
-the other's from this tree (--lanes N: this tree's larql-serve --lanes; --kernel-threads N: its roles'
+the other's from this tree (--kernel-threads N: its roles'
 LARQL_KERNEL_THREADS, for equal threads against a tree whose kernels ignored --blas-threads; --quant:
 the vindex form); rounds alternate between them level by level (the same neighbours' load for both), and the table gives
 each level for both with the ratio this / baseline, and the per-step breakdown: lm_head (the embed server's
@@ -254,7 +254,7 @@ def compare_part(args, paths, levels: list[int], n_layers: int, say) -> None:
     trees = {"baseline": str(Path(args.baseline).resolve()), "this": here}
     try:
         bindirs = {"baseline": baseline_bindir(args), "this": None}
-        extra = {"baseline": [], "this": ["--lanes", str(args.lanes)] if args.lanes > 1 else []}
+        extra: dict[str, list[str]] = {"baseline": [], "this": []}
         # --kernel-threads: this tree's kernels at that many threads (LARQL_KERNEL_THREADS, which --blas-threads 1
         # leaves alone): an older tree's kernels may split products over every CPU whatever --blas-threads says
         kernel_env = {"LARQL_KERNEL_THREADS": str(args.kernel_threads)} if args.kernel_threads else None
@@ -272,7 +272,7 @@ def compare_part(args, paths, levels: list[int], n_layers: int, say) -> None:
             asyncio.run(round_of(g["serve"].url, args.model, 2, 4))  # warm-up
         say(f"larql-serve, this tree ({here}) against the baseline ({trees['baseline']}): {args.model}, {n_layers} layers, "
             f"FFN on 2 shards, {args.tokens} greedy tokens per stream, {os.cpu_count()} CPUs, 1 BLAS thread per process; "
-            f"two grids side by side, rounds alternating; this tree's larql-serve --lanes {args.lanes}, kernel threads "
+            f"two grids side by side, rounds alternating; this tree's kernel threads "
             f"{args.kernel_threads or 'as --blas-threads (1)'}; "
             f"load average before: {os.getloadavg()[0]:.2f}")
         say(f"interpreters: this {sys.executable}; baseline {bindirs['baseline'] or sys.executable}; vindexes: "
@@ -322,9 +322,6 @@ def main() -> int:
                     help="structured output's cost: tok/s with and without a JSON schema (default streams 1,8)")
     ap.add_argument("--baseline", default=None,
                     help="a checkout to compare with (e.g. /work/wt/_base): two grids, rounds alternating, ratios")
-    ap.add_argument("--lanes", type=int, default=1,
-                    help="larql-serve --lanes for this tree's serve (scheduler threads stepping at once; the baseline "
-                         "runs its own default)")
     ap.add_argument("--kernel-threads", type=int, default=None,
                     help="with --baseline: LARQL_KERNEL_THREADS for this tree's roles (the code before --blas-threads "
                          "capped the kernels split its products over every CPU: 2 here; equal threads compare)")
@@ -386,7 +383,7 @@ def main() -> int:
             return 0
         serve = sup.start("serve", ["larql-serve", str(paths["client"]), "--ffn", router.url, "--port", str(sv), *common,
                                     "--max-active", str(max(levels)), "--max-queue", "0", "--context", "512",
-                                    "--served-model-name", args.model, "--lanes", str(args.lanes)], url(sv))
+                                    "--served-model-name", args.model], url(sv))
         sup.wait_ready([serve], time.monotonic() + 600)
         asyncio.run(round_of(serve.url, args.model, 2, 4))  # warm-up: connections, the lm_head, the kernels
         if args.structured:

@@ -389,3 +389,31 @@ def test_repacking_a_mapped_matrix_keeps_its_rows_readable(tmp_path, rng):
     x = rng.standard_normal((5, 512)).astype(np.float32)
     np.testing.assert_allclose(mapped.matmul(x), m.matmul(x), rtol=0, atol=1e-6 * np.abs(m.matmul(x)).max())
     np.testing.assert_array_equal(mapped.rows([0, 7, 63]), m.rows([0, 7, 63]))
+
+
+@pytest.mark.parametrize("rows,cols", [(2048, 640), (1024, 640), (33, 100), (40, 96)])
+def test_q5_0_widened_to_q8_0_gives_the_stored_bytes_floats_bit_for_bit(rng, rows, cols, monkeypatch):
+    """Q5_0 is multiplied from a Q8_0 copy of the same values (`_matrix.WIDEN`, x86): the same floats
+    as the stored Q5_0 blocks, bit for bit, at every row count and at 1 and 2 threads."""
+    import platform
+
+    from larql_edge.format.quant import dequantize, q5_0_to_q8_0
+    from larql_edge.model.kernels import _matrix, get_threads, set_threads
+
+    m = CompactMatrix.quantize(synthetic(rng, rows, cols), "q5_0")
+    q8 = q5_0_to_q8_0(m.data.reshape(-1))
+    np.testing.assert_array_equal(dequantize(q8, "Q8_0"), dequantize(m.data.reshape(-1), "Q5_0"))  # lossless
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        assert m.kernel_form()[0] == "q8_0" and m.kernel_form()[1].nbytes == q8.nbytes
+    monkeypatch.setattr(_matrix, "WIDEN", {})
+    stored = CompactMatrix.from_blocks(m.data.reshape(-1).copy(), "q5_0", rows, cols)
+    assert stored.kernel_form()[0] == "q5_0"
+    before = get_threads()
+    try:
+        for threads in (1, 2):
+            set_threads(threads)
+            for n in NS:
+                x = rng.standard_normal((n, cols)).astype(np.float32)
+                np.testing.assert_array_equal(m.matmul(x), stored.matmul(x))
+    finally:
+        set_threads(before)

@@ -327,6 +327,20 @@ def q6k_to_ggml(blocks: np.ndarray) -> np.ndarray:
     return _q6k_assemble(_q6k_pack_ggml(_q6k_codes_larql(b)), b[:, 192:208], b[:, 208:210].copy().view("<u2"))
 
 
+def q5_0_to_q8_0(blocks: np.ndarray) -> np.ndarray:
+    """Q5_0 blocks -> Q8_0 blocks of the same values: the same f16 scale, the same integers (q - 16 in
+    [-16, 15]) one byte each. Lossless; 34 bytes a block instead of 22."""
+    b = _as_blocks(blocks, 22)
+    qh = b[:, 2:6].copy().view("<u4")[:, 0]
+    qs = b[:, 6:22]
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=1)  # values 0-15 low nibbles, 16-31 high nibbles
+    q |= (((qh[:, None] >> np.arange(32, dtype=np.uint32)) & 1) << 4).astype(_U8)
+    out = np.empty((b.shape[0], 34), _U8)
+    out[:, 0:2] = b[:, 0:2]
+    out[:, 2:] = (q.astype(np.int16) - 16).astype(np.int8).view(_U8)
+    return out.reshape(-1)
+
+
 def dequantize_q6_k_larql(blocks: np.ndarray) -> np.ndarray:
     """Decode LARQL-layout Q6_K (``q6_k.rs::dequantize_q6_k``): ``(d * scale) * (code - 32)``."""
     b = _as_blocks(blocks, 210)

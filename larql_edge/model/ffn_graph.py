@@ -48,11 +48,11 @@ class _Weight:
 
     @classmethod
     def of(cls, m: CompactMatrix) -> _Weight:
-        kcols = FORMATS[m.fmt].padded_cols(m.shape[1])
-        rp = m.repacked_copy()
+        fmt, data, rp = m.kernel_form()  # what the products read (a repacked or wider copy, or the stored bytes)
+        kcols = FORMATS[fmt].padded_cols(m.shape[1])
         if rp is not None:
-            return cls(m.fmt, m.shape[0], kcols, rp.base, rp.buffer, rp.extra)
-        return cls(m.fmt, m.shape[0], kcols, m.data.ctypes.data, None, None)
+            return cls(fmt, m.shape[0], kcols, rp.base, rp.buffer, rp.extra)
+        return cls(fmt, m.shape[0], kcols, data.ctypes.data, None, None)
 
     @property
     def kind(self) -> tuple:

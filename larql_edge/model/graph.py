@@ -376,19 +376,17 @@ class GraphEngine:
             b = _ggml.lib().base
             ctx = self._weights_ctx()
             rows, cols = m.shape
-            rp = m.repacked_copy() if m.fmt not in ("f16", "f32") else None
             keep: Any  # what the tensor's data points into
+            fmt, data, rp = ("f32", np.ascontiguousarray(m.data, dtype=np.float32), None) if m.fmt == "f32" else m.kernel_form()
             if rp is not None:
                 # ggml's repacked copy, as llama.cpp's CPU_REPACK buffer holds its weights by default:
                 # its gemm/gemv kernels sum in their own order, so using them is both llama.cpp's
                 # arithmetic (bit for bit, DESIGN.md §4.1) and faster (§4)
                 w, keep = rp.tensor(ctx, 0, rows), rp
             else:
-                if m.fmt == "f32":
-                    data, ne0 = np.ascontiguousarray(m.data, dtype=np.float32), cols
-                else:
-                    data, ne0 = m.data, FORMATS[m.fmt].padded_cols(cols)
-                w = b.ggml_new_tensor_2d(ctx, _ggml.TYPE[m.fmt], ne0, rows)
+                # the stored bytes, or the copy the products read (Q5_0 as Q8_0: the same floats)
+                ne0 = cols if fmt == "f32" else FORMATS[fmt].padded_cols(cols)
+                w = b.ggml_new_tensor_2d(ctx, _ggml.TYPE[fmt], ne0, rows)
                 if w.contents.nb[1] != data.strides[0]:
                     raise _ggml.KernelError(f"weight row bytes {data.strides[0]} != ggml's {w.contents.nb[1]}")
                 w.contents.data = data.ctypes.data

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import platform
 import threading
 from dataclasses import dataclass, field
 
@@ -20,6 +21,15 @@ _TILE_ROWS = 256  # a 256 x 2048 float32 tile is 2 MiB: it stays in L2/L3 betwee
 # Repack a matrix into ggml's interleaved layout on its first product where ggml has a repacked
 # kernel for its type on this CPU (x86-64 AVX2: Q4_K; DESIGN.md §9). False: always the stored bytes.
 REPACK = True
+
+# Formats multiplied from a copy in another format with the same values, made once in memory on the
+# first product (the stored bytes' pages are dropped after, as for a repacked copy). Q5_0 -> Q8_0: the
+# same scale per block and the same integers (q - 16); on x86 ggml's Q8_0 `vec_dot` is Q5_0's without
+# the bit unpacking (the same integer sums per block, scaled and accumulated in the same order), so
+# every float is Q5_0's bit for bit (tests/test_kernels.py), in 0.62-0.78x the time at 1 to 16 rows
+# (`python benchmarks/widen.py`); the copy is 34/22 of the stored bytes. x86 only: that
+# is where the two kernels were read and measured equal. {}: the stored bytes.
+WIDEN = {"q5_0": "q8_0"} if platform.machine().lower() in ("x86_64", "amd64") else {}
 
 # A product is split across the kernel threads only if it is at least this many multiply-adds;
 # below it, handing work to a thread costs more than it saves (a 1-row q_proj is ~0.65 M).
@@ -40,6 +50,7 @@ class CompactMatrix:
     shape: tuple[int, int]
     data: np.ndarray = field(repr=False)
     _graphs: _ggml.MatMulCache | None = field(default=None, repr=False)
+    _kernel_fmt: str = field(default="", repr=False)  # the format the graphs multiply (see kernel_form)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     # -- construction -------------------------------------------------------------------------
@@ -150,13 +161,27 @@ class CompactMatrix:
     def _make_graphs(self) -> _ggml.MatMulCache:
         with self._lock:  # concurrent first products: one repack
             if self._graphs is None:
-                pc = FORMATS[self.fmt].padded_cols(self.shape[1])
-                wtype = _ggml.TYPE[self.fmt]
-                rp = _ggml.Repacked.make(self.data, wtype, pc) if REPACK and self.fmt != "f16" else None
+                fmt, data = self.fmt, self.data
+                if fmt in WIDEN:
+                    from larql_edge.format.quant import q5_0_to_q8_0
+
+                    fmt = WIDEN[fmt]
+                    data = q5_0_to_q8_0(np.asarray(data).reshape(-1)).reshape(self.shape[0], -1)
+                    _release_pages(self.data)  # the wider copy is what is read from now on
+                pc = FORMATS[fmt].padded_cols(self.shape[1])
+                wtype = _ggml.TYPE[fmt]
+                rp = _ggml.Repacked.make(data, wtype, pc) if REPACK and fmt == self.fmt and fmt != "f16" else None
                 if rp is not None:
-                    _release_pages(self.data)  # the repacked copy is what is read from now on
-                self._graphs = _ggml.MatMulCache(self.data, wtype, pc, self.shape[0], rp)
+                    _release_pages(data)  # the repacked copy is what is read from now on
+                self._kernel_fmt = fmt  # before _graphs: a reader that sees the graphs sees their format
+                self._graphs = _ggml.MatMulCache(data, wtype, pc, self.shape[0], rp)
         return self._graphs
+
+    def kernel_form(self) -> tuple[str, np.ndarray, _ggml.Repacked | None]:
+        """What ggml multiplies: (format, block bytes ``[rows, row_bytes]``, repacked copy or None): the
+        stored bytes, a wider copy (`WIDEN`) or ggml's repacked copy; made on the first call."""
+        g = self._graphs or self._make_graphs()
+        return self._kernel_fmt, g.wdata, g.repacked
 
     @property
     def repacked(self) -> bool:
