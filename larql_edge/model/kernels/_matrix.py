@@ -26,7 +26,7 @@ REPACK = True
 # first product (the stored bytes' pages are dropped after, as for a repacked copy). Q5_0 -> Q8_0: the
 # same scale per block and the same integers (q - 16); on x86 ggml's Q8_0 `vec_dot` is Q5_0's without
 # the bit unpacking (the same integer sums per block, scaled and accumulated in the same order), so
-# every float is Q5_0's bit for bit (tests/test_kernels.py), in 0.62-0.78x the time at 1 to 16 rows
+# every float is Q5_0's bit for bit (tests/test_kernels.py), in 0.46-0.80x the time at 1 to 16 rows
 # (`python benchmarks/widen.py`); the copy is 34/22 of the stored bytes. x86 only: that
 # is where the two kernels were read and measured equal. {}: the stored bytes.
 WIDEN = {"q5_0": "q8_0"} if platform.machine().lower() in ("x86_64", "amd64") else {}
