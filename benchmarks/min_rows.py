@@ -14,6 +14,7 @@ import argparse
 import os
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
@@ -22,20 +23,12 @@ os.environ.setdefault("LARQL_KERNEL_THREADS", "1")
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _support import median_ms  # noqa: E402  (benchmarks/ is the script's folder)
+
 from larql_edge.model.kernels import CompactMatrix, _ggml  # noqa: E402
 
 SHAPES = [("lm_head", "q8_0", 262144, 640), ("lm_head", "f16", 262144, 640), ("gate", "q4_k", 2048, 640),
           ("down", "q6_k", 640, 2048), ("gate", "q5_0", 1024, 640), ("gate", "f16", 2048, 640)]
-
-
-def _median_ms(m: CompactMatrix, x: np.ndarray, reps: int) -> float:
-    m.matmul(x)
-    ts = []
-    for _ in range(reps):
-        t = time.thread_time()
-        m.matmul(x)
-        ts.append(time.thread_time() - t)
-    return float(np.median(ts)) * 1e3
 
 
 def main() -> None:
@@ -63,7 +56,7 @@ def main() -> None:
                 for rows in (1, 2):
                     L.min_rows = rows  # a matrix builds its graphs on first use: one per setting
                     m = CompactMatrix.quantize(w, fmt) if fmt != "f16" else CompactMatrix.from_array(w.astype(np.float16))
-                    got.append(_median_ms(m, x, reps))
+                    got.append(median_ms(partial(m.matmul, x), reps, 1, time.thread_time))
                     del m
                 print(f"{name + ' ' + fmt + f' {r}x{c}':22s} {n:4d} {got[0]:9.3f} {got[1]:10.3f} {got[1] / got[0]:12.2f}x",
                       flush=True)

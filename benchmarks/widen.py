@@ -12,6 +12,7 @@ import argparse
 import os
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
@@ -20,18 +21,11 @@ os.environ.setdefault("LARQL_KERNEL_THREADS", "1")
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _support import median_ms  # noqa: E402  (benchmarks/ is the script's folder)
+
 from larql_edge.model.kernels import CompactMatrix, _ggml, _matrix  # noqa: E402
 
 SHAPES = [("ffn_gate/up", 2048, 640), ("attn_q", 1024, 640), ("attn_k/v", 256, 640)]
-
-
-def _ms(m: CompactMatrix, x: np.ndarray, reps: int) -> float:
-    ts = []
-    for _ in range(reps):
-        t = time.thread_time()
-        m.matmul(x)
-        ts.append(time.thread_time() - t)
-    return float(np.median(ts)) * 1e3
 
 
 def main() -> None:
@@ -68,8 +62,9 @@ def main() -> None:
             equal = np.array_equal(widened.matmul(x), stored.matmul(x))
             a, b = [], []
             for _ in range(3):  # alternating thirds: the same neighbours' load for both
-                a.append(_ms(stored, x, max(1, args.reps // 3)))
-                b.append(_ms(widened, x, max(1, args.reps // 3)))
+                reps = max(1, args.reps // 3)
+                a.append(median_ms(partial(stored.matmul, x), reps, 1, time.thread_time))
+                b.append(median_ms(partial(widened.matmul, x), reps, 1, time.thread_time))
             sa, sb = float(np.median(a)), float(np.median(b))
             print(f"{name:12s} {r:4d}x{c:<4d} {n:4d} {sa:10.3f} {sb:11.3f} {sb / sa:14.2f}x  {equal}", flush=True)
             if not equal:

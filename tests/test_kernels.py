@@ -10,6 +10,10 @@ tensors in their own block types, with real activations from the model's numpy f
 
 from __future__ import annotations
 
+import platform
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, quants
@@ -18,7 +22,21 @@ from larql_edge.model.kernels import (
     COMPACT_FORMATS,
     CompactMatrix,
     KernelError,
+    get_threads,
+    set_threads,
 )
+
+
+@contextmanager
+def kernel_threads(n: int) -> Iterator[None]:
+    """Products at ``n`` kernel threads inside the block; the count before is restored after."""
+    before = get_threads()
+    set_threads(n)
+    try:
+        yield
+    finally:
+        set_threads(before)
+
 
 GGML_TYPE = {f: GGMLQuantizationType[f.upper()] for f in ("q8_0", "q4_k", "q6_k", "q5_0", "q4_1")}
 # Row counts of x: one (decode), a few, a serve batch (16) and the issue's odd 31, and past 32.
@@ -176,18 +194,12 @@ def test_float64_and_strided_x_are_accepted(rng):
 
 
 def test_threads_split_gives_the_same_result(rng):
-    from larql_edge.model.kernels import get_threads, set_threads
-
     m = CompactMatrix.quantize(synthetic(rng, 4096, 1024), "q8_0")
     x = rng.standard_normal((2, 1024)).astype(np.float32)
-    before = get_threads()
-    try:
-        set_threads(1)
+    with kernel_threads(1):
         one = m.matmul(x)
-        set_threads(2)
+    with kernel_threads(2):
         two = m.matmul(x)
-    finally:
-        set_threads(before)
     np.testing.assert_array_equal(one, two)
 
 
@@ -360,23 +372,19 @@ def test_repacked_products_equal_the_stored_bytes_route(rng, rows, cols):
     """Q4_K is repacked for ggml's gemm/gemv kernels where its CPU build has them (x86-64 AVX2,
     rows a multiple of 8); the result is the stored-bytes route's up to summation order, at 1 and 2
     threads (the split keeps whole groups of 8 interleaved rows)."""
-    from larql_edge.model.kernels import _ggml, get_threads, set_threads
+    from larql_edge.model.kernels import _ggml
 
     m = CompactMatrix.quantize(synthetic(rng, rows, cols), "q4_k")
     ref = _stored_bytes_route(m)
     if _ggml.lib().features.get("avx2") and _ggml.lib().repack_buft is not None:
         assert m.repacked == (rows % 8 == 0)
-    before = get_threads()
-    try:
-        for threads in (1, 2):
-            set_threads(threads)
+    for threads in (1, 2):
+        with kernel_threads(threads):
             for n in NS:
                 x = rng.standard_normal((n, cols)).astype(np.float32)
                 want = ref.matmul(x)
                 np.testing.assert_allclose(m.matmul(x), want, rtol=0, atol=2e-5 * np.abs(want).max())
                 assert_product(m, x)
-    finally:
-        set_threads(before)
 
 
 def test_repacking_a_mapped_matrix_keeps_its_rows_readable(tmp_path, rng):
@@ -395,25 +403,19 @@ def test_repacking_a_mapped_matrix_keeps_its_rows_readable(tmp_path, rng):
 def test_q5_0_widened_to_q8_0_gives_the_stored_bytes_floats_bit_for_bit(rng, rows, cols, monkeypatch):
     """Q5_0 is multiplied from a Q8_0 copy of the same values (`_matrix.WIDEN`, x86): the same floats
     as the stored Q5_0 blocks, bit for bit, at every row count and at 1 and 2 threads."""
-    import platform
-
     from larql_edge.format.quant import dequantize, q5_0_to_q8_0
-    from larql_edge.model.kernels import _matrix, get_threads, set_threads
+    from larql_edge.model.kernels import _ggml, _matrix
 
     m = CompactMatrix.quantize(synthetic(rng, rows, cols), "q5_0")
     q8 = q5_0_to_q8_0(m.data.reshape(-1))
     np.testing.assert_array_equal(dequantize(q8, "Q8_0"), dequantize(m.data.reshape(-1), "Q5_0"))  # lossless
-    if platform.machine().lower() in ("x86_64", "amd64"):
+    if _ggml.is_x86(platform.machine()):
         assert m.kernel_form()[0] == "q8_0" and m.kernel_form()[1].nbytes == q8.nbytes
     monkeypatch.setattr(_matrix, "WIDEN", {})
     stored = CompactMatrix.from_blocks(m.data.reshape(-1).copy(), "q5_0", rows, cols)
     assert stored.kernel_form()[0] == "q5_0"
-    before = get_threads()
-    try:
-        for threads in (1, 2):
-            set_threads(threads)
+    for threads in (1, 2):
+        with kernel_threads(threads):
             for n in NS:
                 x = rng.standard_normal((n, cols)).astype(np.float32)
                 np.testing.assert_array_equal(m.matmul(x), stored.matmul(x))
-    finally:
-        set_threads(before)

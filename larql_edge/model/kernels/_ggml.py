@@ -217,6 +217,11 @@ def build_kind(wheel_tags: list[str]) -> str:
     return "prebuilt" if portable else "native"
 
 
+def is_x86(machine: str) -> bool:
+    """``platform.machine()`` names an x86 CPU (the kernels read and measured here; not arm64)."""
+    return machine.lower() in ("x86_64", "amd64", "x86", "i386", "i686")
+
+
 def sgemm_min_rows(features: dict[str, bool], machine: str) -> int:
     """The fewest rows of x a product is computed with, so that a row's floats never depend on how
     many rows come with it (exact speculation and serve's batched == alone rest on that).
@@ -226,8 +231,7 @@ def sgemm_min_rows(features: dict[str, bool], machine: str) -> int:
     inside tinyBLAS an element's sum does not depend on its tile (DESIGN.md §4.3). So there a 1-row
     product runs as 2 rows (the row twice, one result kept). On arm64 tinyBLAS starts at 2, 4 or 8
     rows by type: not measured here, left at 1 (such a build parts at those counts)."""
-    x86 = machine.lower() in ("x86_64", "amd64", "x86", "i386", "i686")
-    return 2 if features.get("llamafile") and x86 else 1
+    return 2 if features.get("llamafile") and is_x86(machine) else 1
 
 
 def min_rows() -> int:

@@ -29,7 +29,7 @@ REPACK = True
 # every float is Q5_0's bit for bit (tests/test_kernels.py), in 0.46-0.80x the time at 1 to 16 rows
 # (`python benchmarks/widen.py`); the copy is 34/22 of the stored bytes. x86 only: that
 # is where the two kernels were read and measured equal. {}: the stored bytes.
-WIDEN = {"q5_0": "q8_0"} if platform.machine().lower() in ("x86_64", "amd64") else {}
+WIDEN = {"q5_0": "q8_0"} if _ggml.is_x86(platform.machine()) else {}
 
 # A product is split across the kernel threads only if it is at least this many multiply-adds;
 # below it, handing work to a thread costs more than it saves (a 1-row q_proj is ~0.65 M).
