@@ -129,6 +129,15 @@ def _logs_until(name: str, marker: str, timeout: float) -> str:
 
 
 @pytest.mark.timeout(900)
+def _remove_exited(command_part: str) -> None:
+    """Remove exited containers whose command contains ``command_part`` (what a failed build left)."""
+    r = dk.run(["docker", "ps", "-a", "--no-trunc", "--filter", "status=exited", "--format", "{{.ID}} {{.Command}}"],
+               timeout=60, check=False)
+    ids = [line.split(" ", 1)[0] for line in r.stdout.splitlines() if command_part in line]
+    if ids:
+        dk.run(["docker", "rm", *ids], timeout=60, check=False)
+
+
 def test_compose_before_build_images_says_what_to_run(tmp_path):
     """`docker compose up grid` before docker/build-images.sh failed with a raw
     `COPY failed ... wheelhouse/requirements.txt`: now one line names the script to run."""
@@ -138,8 +147,12 @@ def test_compose_before_build_images_says_what_to_run(tmp_path):
     fresh_copy(tmp_path / "clone")  # a clone has no wheelhouse/ (git-ignored)
     assert not (tmp_path / "clone" / "wheelhouse").exists()
     tag = f"{dk.PREFIX}-nowheel"
-    r = dk.run(["docker", "compose", "-p", tag, "build", "slicer"], timeout=600, check=False, cwd=tmp_path / "clone",
-               env={"LARQL_TAG": tag})
+    try:
+        r = dk.run(["docker", "compose", "-p", tag, "build", "slicer"], timeout=600, check=False,
+                   cwd=tmp_path / "clone", env={"LARQL_TAG": tag})
+    finally:
+        # the classic builder keeps the container of a failed RUN step (here the wheelhouse check): remove it
+        _remove_exited("test -f /wheels/requirements.txt")
     out = r.stdout + r.stderr
     assert r.returncode != 0, out[-3000:]
     lines = [line for line in out.splitlines() if "run docker/build-images.sh first" in line]
