@@ -15,6 +15,7 @@ from larql_edge.model.kernels import CompactMatrix
 from larql_edge.model.kernels._ggml import gelu
 from larql_edge.model.ops import gelu_tanh
 from larql_edge.model.spec import ModelSpec
+from tests._threads import kernel_threads
 from tests.tinygguf import tiny_gguf_vindex
 
 ROWS = (1, 7, 16)
@@ -60,7 +61,29 @@ def test_what_is_not_fused():
     assert not ffn_graph.fusable(f32, q, dq)  # float32 weights: the exact BLAS reference
     assert not ffn_graph.fusable(q, q, q)  # shapes that do not chain
     g = ffn_graph.FfnGraphs("gelu_tanh")
-    assert g.takes(1, type("W", (), {"gate": q})) and not g.takes(ffn_graph.MAX_ROWS + 1, type("W", (), {"gate": q}))
+    assert g.takes(1) and g.takes(ffn_graph.MAX_ROWS) and not g.takes(ffn_graph.MAX_ROWS + 1) and not g.takes(0)
+
+
+@pytest.mark.parametrize("fmts", [("q4_k", "q6_k"), ("q5_0", "q6_k"), ("f16", "f16")])
+def test_fused_layer_on_two_threads_is_the_one_thread_graph_bit_for_bit(fmts):
+    """Rows past PARALLEL_FROM_MACS run the graph on the kernel threads (ggml's pool): every float is
+    the one-thread graph's, so a row's value does not depend on the host's thread count."""
+    rng = np.random.default_rng(5)
+    hidden, inter = 640, 2048  # Gemma 3 270M's FFN: 4+ rows cross PARALLEL_FROM_MACS
+    gate, up = (CompactMatrix.quantize(rng.standard_normal((inter, hidden)).astype(np.float32) * 0.05, fmts[0])
+                for _ in range(2))
+    down = CompactMatrix.quantize(rng.standard_normal((hidden, inter)).astype(np.float32) * 0.05, fmts[1])
+    graphs = ffn_graph.FfnGraphs("gelu_tanh")
+    for n in (1, 4, 16, 33):
+        x = rng.standard_normal((n, hidden)).astype(np.float32)
+        with kernel_threads(1):
+            one = graphs.run(gate, up, down, x)
+        with kernel_threads(2):
+            two = graphs.run(gate, up, down, x)
+            assert graphs.run(gate, up, down, x[:1])[0].tobytes() == one[0].tobytes()  # a row alone, too
+        assert (n * inter * hidden >= ffn_graph.PARALLEL_FROM_MACS) == (n >= 4)
+        np.testing.assert_array_equal(two, one)
+        np.testing.assert_array_equal(one, _product_path(gate, up, down, x))
 
 
 @pytest.fixture(scope="module", params=["gemma3", "llama"])

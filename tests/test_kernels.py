@@ -11,8 +11,6 @@ tensors in their own block types, with real activations from the model's numpy f
 from __future__ import annotations
 
 import platform
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -22,21 +20,8 @@ from larql_edge.model.kernels import (
     COMPACT_FORMATS,
     CompactMatrix,
     KernelError,
-    get_threads,
-    set_threads,
 )
-
-
-@contextmanager
-def kernel_threads(n: int) -> Iterator[None]:
-    """Products at ``n`` kernel threads inside the block; the count before is restored after."""
-    before = get_threads()
-    set_threads(n)
-    try:
-        yield
-    finally:
-        set_threads(before)
-
+from tests._threads import kernel_threads
 
 GGML_TYPE = {f: GGMLQuantizationType[f.upper()] for f in ("q8_0", "q4_k", "q6_k", "q5_0", "q4_1")}
 # Row counts of x: one (decode), a few, a serve batch (16) and the issue's odd 31, and past 32.
@@ -385,6 +370,73 @@ def test_repacked_products_equal_the_stored_bytes_route(rng, rows, cols):
                 want = ref.matmul(x)
                 np.testing.assert_allclose(m.matmul(x), want, rtol=0, atol=2e-5 * np.abs(want).max())
                 assert_product(m, x)
+
+
+def _one_graph_product(m: CompactMatrix, x: np.ndarray, alone: bool) -> np.ndarray:
+    """``m @ x.T`` as the step graphs build it (`_ggml.mul_mat` on the matrix's kernel form), computed."""
+    import ctypes as C
+
+    from larql_edge.model.kernels import _ggml
+    from larql_edge.model.kernels._formats import FORMATS
+
+    L = _ggml.lib()
+    b = L.base
+    fmt, data, rp = m.kernel_form()
+    kcols = FORMATS[fmt].padded_cols(m.shape[1])
+    n = x.shape[0]
+    mem = np.empty((8 * n + 16) * int(b.ggml_tensor_overhead()) + int(b.ggml_graph_overhead_custom(8 * n + 16, False))
+                   + 1024, np.uint8)
+    ctx = b.ggml_init(_ggml._InitParams(mem.nbytes, mem.ctypes.data, True))
+    try:
+        if rp is not None:
+            w = rp.tensor(ctx, 0, m.shape[0])
+        else:
+            w = b.ggml_new_tensor_2d(ctx, _ggml.TYPE[fmt], kcols, m.shape[0])
+            w.contents.data = data.ctypes.data
+        xt = b.ggml_new_tensor_2d(ctx, _ggml.TYPE["f32"], kcols, n)
+        xs = np.zeros((n, kcols), np.float32)
+        xs[:, : x.shape[1]] = x
+        xt.contents.data = xs.ctypes.data
+        y = b.ggml_cont(ctx, _ggml.mul_mat(ctx, w, xt, alone))
+        gf = b.ggml_new_graph_custom(ctx, 8 * n + 16, False)
+        b.ggml_build_forward_expand(gf, y)
+        galloc = b.ggml_gallocr_new(b.ggml_backend_cpu_buffer_type())
+        try:
+            assert b.ggml_gallocr_alloc_graph(galloc, gf)
+            plan = L.cpu.ggml_graph_plan(gf, 1, None)
+            work = np.empty(max(1, plan.work_size), np.uint8)
+            plan.work_data = work.ctypes.data
+            assert L.cpu.ggml_graph_compute(gf, C.byref(plan)) == 0
+            out = np.empty((n, m.shape[0]), np.float32)
+            C.memmove(out.ctypes.data, y.contents.data, out.nbytes)
+        finally:
+            b.ggml_gallocr_free(galloc)
+        return out
+    finally:
+        b.ggml_free(ctx)
+
+
+@pytest.mark.parametrize("fmt", sorted(set(COMPACT_FORMATS) - {"f32"}))
+def test_a_rows_product_does_not_depend_on_the_rows_that_come_with_it(rng, fmt):
+    """Serve's batched == alone and exact speculation rest on it. ggml's repacked Q4_K kernels sum 4+
+    rows in their gemm and fewer in gemv, in other orders: a repacked weight's rows go one by one
+    (`_ggml.ROW_BY_ROW`) through the products, and through the step graphs' ``mul_mat`` when asked
+    (``alone``: speculation's verify rows; a prefill keeps ggml's gemm, as llama.cpp). Gemma's
+    shapes (rows a multiple of 8, K of several superblocks), 1 and 2 threads."""
+    for rows, cols in ((2048, 640), (640, 2048)):
+        m = CompactMatrix.quantize(synthetic(rng, rows, cols), fmt)
+        x = rng.standard_normal((16, cols)).astype(np.float32)
+        for threads in (1, 2):
+            with kernel_threads(threads):
+                many = m.matmul(x)
+                alone = np.concatenate([m.matmul(x[r : r + 1]) for r in range(16)])
+                np.testing.assert_array_equal(many, alone)
+                np.testing.assert_array_equal(m.matmul(x[:5]), alone[:5])  # a gemm group and one row over
+        np.testing.assert_array_equal(_one_graph_product(m, x, alone=True), alone)
+        np.testing.assert_array_equal(_one_graph_product(m, x[:1], alone=False), alone[:1])
+        together = _one_graph_product(m, x, alone=False)  # ggml's own choice of kernel
+        np.testing.assert_allclose(together, alone, rtol=0, atol=2e-5 * np.abs(alone).max())
+        assert np.array_equal(together, alone) == (not m.repacked)  # only the repacked gemm sums otherwise
 
 
 def test_repacking_a_mapped_matrix_keeps_its_rows_readable(tmp_path, rng):

@@ -10,6 +10,7 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import numpy as np
 import pytest
 
 from larql_edge.format.vindex import Vindex
@@ -131,3 +132,24 @@ def test_larql_serve_8_concurrent_streams_with_speculation_equal_without(real_gr
     assert dstats["speculation"]["drafter"] == "model"
     assert dstats["scheduler"]["speculation"]["accepted_tokens"] > 0
     assert httpx.get(off + "/v1/stats").json()["scheduler"]["speculation"]["drafted_tokens"] == 0
+
+
+@pytest.mark.parametrize("quant", ["gguf", "q4k"])
+def test_verify_rows_on_repacked_weights_are_plain_decodings_floats(real_quantized, quant):
+    """Gemma 3 270M's gguf vindex keeps attn_output and 9 ffn_down as Q4_K, the q4k one its FFN: ggml
+    repacks them, and its gemm (4+ rows) sums otherwise than its gemv (one row). A verify pass
+    (``alone``, what speculation runs) gives each row exactly a one-row step's floats, on the local
+    step graph, so greedy speculation equals plain decoding there too; a prefill (ggml's gemm, as
+    llama.cpp's) differs in the last bits, which is what makes this test able to fail."""
+    m = Transformer.local(real_quantized("gemma3-270m", quant))
+    assert m.engine() is not None
+    ids = list(range(1000, 1024))
+    one = m.new_cache()
+    m.forward(ids[:18], one)
+    rows = np.concatenate([m.forward([t], one) for t in ids[18:]])
+    many = m.new_cache()
+    m.forward(ids[:18], many)
+    np.testing.assert_array_equal(m.forward(ids[18:], many, alone=True), rows)
+    again = m.new_cache()
+    m.forward(ids[:18], again)
+    assert not np.array_equal(m.forward(ids[18:], again), rows)  # 6 rows through the gemm

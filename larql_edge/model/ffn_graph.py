@@ -12,6 +12,11 @@ intermediate) and the temporaries per layer: measured in benchmarks/ffn_profile.
 A graph is built per (rows, weight types, shapes) and serves every layer of that kind: a call points
 the three weight tensors at the layer's bytes and x/y at the caller's buffers, then computes. Graphs
 are not re-entrant (their buffers hold the intermediates): a free list per key, as `MatMulCache`.
+
+Threads: from `PARALLEL_FROM_MACS` (4+ rows of Gemma's FFN) a graph computes on the process's ggml
+pool (`kernels._threads.graph_pool`); the floats are the one-thread graph's. A layer with a repacked
+weight goes one row at a time (`kernels._ggml.ROW_BY_ROW`: ggml's repack gemm sums 4+ rows otherwise
+than its gemv sums one), the rows shared among the kernel threads (DESIGN.md §4.4).
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import numpy as np
 from larql_edge.model.kernels import _ggml
 from larql_edge.model.kernels._formats import FORMATS
 from larql_edge.model.kernels._matrix import PARALLEL_FROM_MACS, CompactMatrix
-from larql_edge.model.kernels._threads import get_threads
+from larql_edge.model.kernels._threads import get_threads, graph_pool, split_rows
 
 _F32 = 0
 # Rows up to which a request's layer runs as one graph (above, each product's own row split and
@@ -99,20 +104,28 @@ class _FfnStep:
         y.contents.data = 1  # repointed at the caller's output per call (never computed before)
         self._graph = b.ggml_new_graph_custom(ctx, nodes, False)
         b.ggml_build_forward_expand(self._graph, y)
-        self._plan = L.cpu.ggml_graph_plan(self._graph, 1, None)
-        self._work = np.empty(max(1, self._plan.work_size), np.uint8)
-        self._plan.work_data = self._work.ctypes.data
-        self._plan_ref = C.byref(self._plan)
+        self._plans: dict[tuple[int, int | None], tuple[_ggml._CPlan, np.ndarray]] = {}
         self._w = [t.contents for t in w]
         self._y = y.contents
         self._compute = L.cpu.ggml_graph_compute
 
-    def run(self, ws: tuple[_Weight, _Weight, _Weight], x: np.ndarray, out: np.ndarray) -> None:
+    def point(self, ws: tuple[_Weight, _Weight, _Weight], x: np.ndarray, out: np.ndarray) -> None:
+        """Aim the graph at a layer's weights, the caller's rows and its output buffer."""
         self.x[:, : x.shape[1]] = x
         for t, wt in zip(self._w, ws, strict=True):
             t.data, t.buffer, t.extra = wt.data, wt.buffer, wt.extra
         self._y.data = out.ctypes.data
-        if self._compute(self._graph, self._plan_ref) != 0:
+
+    def run(self, threads: int, pool: int | None) -> None:
+        """Compute on ``threads`` (`graph_pool`'s call): a product's floats do not depend on them,
+        since ggml gives each thread whole dot products."""
+        plan = self._plans.get((threads, pool))
+        if plan is None:
+            p = _ggml.lib().cpu.ggml_graph_plan(self._graph, threads, pool)
+            work = np.empty(max(1, p.work_size), np.uint8)
+            p.work_data = work.ctypes.data
+            plan = self._plans[(threads, pool)] = (p, work)
+        if self._compute(self._graph, C.byref(plan[0])) != 0:
             raise _ggml.KernelError("ggml_graph_compute failed")
 
     def __del__(self) -> None:
@@ -140,12 +153,9 @@ class FfnGraphs:
                 got = self._weights[key] = ((_Weight.of(gate), _Weight.of(up), _Weight.of(down)), (gate, up, down))
         return got[0]
 
-    def takes(self, n: int, w) -> bool:
-        """Whether ``n`` rows of layer ``w`` go through the graph: up to MAX_ROWS, and only where the
-        product path would not split a product over the kernel threads (the graph runs on one)."""
-        if n < 1 or n > MAX_ROWS:
-            return False
-        return get_threads() == 1 or n * w.gate.shape[0] * w.gate.shape[1] < PARALLEL_FROM_MACS
+    def takes(self, n: int) -> bool:
+        """Whether ``n`` rows go through the graph: up to MAX_ROWS (above, the products' own row split)."""
+        return 1 <= n <= MAX_ROWS
 
     def run(self, gate: CompactMatrix, up: CompactMatrix, down: CompactMatrix, x: np.ndarray,
             out: np.ndarray | None = None) -> np.ndarray:
@@ -156,6 +166,18 @@ class FfnGraphs:
             out = np.empty((n, ws[2].rows), np.float32)
         elif out.dtype != np.float32 or out.shape != (n, ws[2].rows) or not out.flags.c_contiguous:
             raise _ggml.KernelError(f"out must be a C-contiguous float32 [{n}, {ws[2].rows}] array")
+        parallel = n * ws[0].rows * ws[0].kcols >= PARALLEL_FROM_MACS
+        if n > 1 and _ggml.ROW_BY_ROW and any(w.buffer is not None for w in ws):
+            # A repacked weight: one row at a time, as its products do (kernels._ggml.ROW_BY_ROW), the
+            # rows shared among the kernel threads (benchmarks/ffn_threads.py).
+            x = np.ascontiguousarray(x, dtype=np.float32)
+
+            def rows_of(a: int, b: int) -> None:
+                for r in range(a, b):
+                    self.run(gate, up, down, x[r : r + 1], out[r : r + 1])
+
+            split_rows(rows_of, n, parallel, least=1)
+            return out
         # fewer rows than the build's min_rows (a native ggml with llamafile's sgemm): that many
         # copies of the rows, so that one row is summed as it is among others (kernels._ggml.sgemm_min_rows)
         rows = max(n, _ggml.min_rows())
@@ -170,12 +192,17 @@ class FfnGraphs:
         except IndexError:
             st = _FfnStep(rows, self.glu, key[1:])
         try:
+            # the kernel threads where the products would split over them (PARALLEL_FROM_MACS); below
+            # that, waking a second thread costs about what it saves
+            threads = get_threads() if parallel else 1
             if rows == n:
-                st.run(ws, x, out)
+                st.point(ws, x, out)
+                graph_pool.run(st, threads)
             else:
                 xp, yp = np.empty((rows, x.shape[1]), np.float32), np.empty((rows, out.shape[1]), np.float32)
                 xp[:n], xp[n:] = x, x[:1]
-                st.run(ws, xp, yp)
+                st.point(ws, xp, yp)
+                graph_pool.run(st, threads)
                 out[:] = yp[:n]
         finally:
             free.append(st)

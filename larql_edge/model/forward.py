@@ -90,7 +90,7 @@ class LocalFfn:
         w = self.layers.get(layer)
         if w is None:
             raise KeyError(layer)
-        if self.fused is not None and x.ndim == 2 and self.fused.takes(x.shape[0], w):
+        if self.fused is not None and x.ndim == 2 and self.fused.takes(x.shape[0]):
             return self.fused.run(w.gate, w.up, w.down, x, out)
         y = ffn_compute(w, x, self.act, self.backend)
         if out is None:
@@ -222,11 +222,13 @@ class Transformer:
         out = ops.attention(q, k, v, pos, k_pos, s.attn_scale, window, s.attn_logit_softcapping)
         return be.linear(out, w.o)
 
-    def forward(self, ids: Sequence[int], cache: KVCache | None = None) -> np.ndarray:
-        """Run ``ids`` through every layer; returns the residual before the final norm ``[seq, hidden]``."""
+    def forward(self, ids: Sequence[int], cache: KVCache | None = None, alone: bool = False) -> np.ndarray:
+        """Run ``ids`` through every layer; returns the residual before the final norm ``[seq, hidden]``.
+        ``alone``: each row's floats are those of a pass of its own (speculation's verify rows; see
+        `GraphEngine.step`); the product-by-product path always gives them."""
         cache = cache if cache is not None else self.new_cache()
         if isinstance(cache, GraphCache):
-            return self._graph_step(ids, cache, head=False)
+            return self._graph_step(ids, cache, head=False, alone=alone)
         s = self.spec
         eps, off = s.rms_norm_eps, s.family.norm_offset
         h = np.asarray(self.embedder.embed(ids), dtype=np.float32)
@@ -250,14 +252,14 @@ class Transformer:
         cache.length = start + len(ids)
         return h
 
-    def _graph_step(self, ids: Sequence[int], cache: GraphCache, head: bool) -> np.ndarray:
+    def _graph_step(self, ids: Sequence[int], cache: GraphCache, head: bool, alone: bool = False) -> np.ndarray:
         eng = self.engine()
         h = eng.embed(ids)
         if h is None:
             h = np.asarray(self.embedder.embed(ids), dtype=np.float32)
         if eng.has_ffn:
             t = time.perf_counter()
-            out = eng.step(h, cache, head)
+            out = eng.step(h, cache, head, alone)
             self.local_s += time.perf_counter() - t  # the whole step ran here
             return out
         # the FFN is remote: each layer's attention half is a graph, the FFN a call between them
@@ -266,7 +268,7 @@ class Transformer:
         st = eng.begin(len(ids), cache)
         for layer in range(s.num_layers):
             t = time.perf_counter()
-            h, x = eng.attention(layer, h, cache, st)
+            h, x = eng.attention(layer, h, cache, st, alone)
             self.local_s += time.perf_counter() - t
             f = self.ffn_provider.ffn(layer, x)
             t = time.perf_counter()

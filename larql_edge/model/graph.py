@@ -33,7 +33,7 @@ import numpy as np
 from larql_edge.model.kernels import _ggml
 from larql_edge.model.kernels._formats import FORMATS
 from larql_edge.model.kernels._matrix import CompactMatrix
-from larql_edge.model.kernels._threads import get_threads
+from larql_edge.model.kernels._threads import graph_pool
 from larql_edge.model.spec import ModelSpec
 
 _F32, _I32 = 0, 26  # ggml_type numbers
@@ -89,41 +89,6 @@ class GraphCache:
         self.length = length
 
 
-class _Pool:
-    """The process's one ggml thread pool (None for one thread: the calling thread computes alone).
-
-    A ggml thread pool works on one graph at a time: two graphs computed on it at once (two models
-    in one process on two threads, e.g. in-process clients generating side by side) corrupt each
-    other's work; seen as NaN rows sent to the router, then a segfault inside ggml_graph_compute
-    (tests/test_swarm.py's in-process streams, 2 threads, load ~5). So a multi-thread compute holds
-    the pool's lock, and the pool is only replaced under it. One thread needs no pool and no lock."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.n = 0
-        self.ptr: int | None = None
-
-    def run(self, step: "_Step") -> None:
-        n = get_threads()
-        if n == 1 and self.n in (0, 1):
-            step.run(1, None)
-            return
-        with self.lock:
-            if n != self.n:
-                L = _ggml.lib()
-                if self.ptr:
-                    L.cpu.ggml_threadpool_free(self.ptr)
-                    self.ptr = None
-                if n > 1:
-                    params = L.base.ggml_threadpool_params_default(n)
-                    self.ptr = L.cpu.ggml_threadpool_new(C.byref(params))
-                self.n = n
-            step.run(self.n, self.ptr)
-
-
-_pool = _Pool()
-
-
 def _rounded(n: int, cap: int) -> int:
     return min(cap, -(-n // _BUCKET) * _BUCKET)
 
@@ -134,14 +99,19 @@ class _Step:
     whose outputs are the residual after attention (``out``) and the FFN's normed input (``out_x``)."""
 
     def __init__(self, eng: "GraphEngine", seq: int, cap: int, lens: dict[int | None, int], head: bool,
-                 layer: int | None = None):
+                 layer: int | None = None, alone: bool = False):
         L = _ggml.lib()
         b = L.base
         s = eng.spec
+
+        def mm(ctx, m, x):  # every weight product of this graph (``alone``: see GraphEngine.step)
+            return eng.mm(ctx, m, x, alone)
+
         self.seq, self.cap, self.lens, self.head = seq, cap, lens, head
         hd, nq, nkv, hid = s.head_dim, s.num_q_heads, s.num_kv_heads, s.hidden_size
         self.layer_ids = list(range(s.num_layers)) if layer is None else [layer]
-        n_nodes = 64 * len(self.layer_ids) + 64
+        # ``alone``: a repacked weight's product is a view, a product and a concat per row (7 weights a layer at most)
+        n_nodes = (64 + (7 * 3 * seq if alone else 0)) * len(self.layer_ids) + 64
         mem = n_nodes * 3 * int(b.ggml_tensor_overhead()) + int(b.ggml_graph_overhead_custom(n_nodes * 2, False)) + 4096
         self._mem = np.empty(mem, np.uint8)
         ctx = self._ctx = b.ggml_init(_ggml._InitParams(mem, self._mem.ctypes.data, True))
@@ -186,9 +156,9 @@ class _Step:
             vc = b.ggml_new_tensor_2d(ctx, kv_type, cap, nkv * hd)
             kc.contents.data = vc.contents.data = 1  # placeholder (never read): views need a non-null base
             x = nm(eng.norm(ctx, cur, lw.pre_attn), "attn_norm", li)
-            q = b.ggml_reshape_3d(ctx, nm(eng.mm(ctx, lw.q, x), "Qcur", li), hd, nq, seq)
-            k = b.ggml_reshape_3d(ctx, nm(eng.mm(ctx, lw.k, x), "Kcur", li), hd, nkv, seq)
-            v = nm(eng.mm(ctx, lw.v, x), "Vcur", li)  # [nkv*hd, seq]
+            q = b.ggml_reshape_3d(ctx, nm(mm(ctx, lw.q, x), "Qcur", li), hd, nq, seq)
+            k = b.ggml_reshape_3d(ctx, nm(mm(ctx, lw.k, x), "Kcur", li), hd, nkv, seq)
+            v = nm(mm(ctx, lw.v, x), "Vcur", li)  # [nkv*hd, seq]
             if lw.q_norm is not None:
                 q = nm(eng.norm(ctx, q, lw.q_norm, s.rms_norm_eps), "Qcur_normed", li)
                 k = nm(eng.norm(ctx, k, lw.k_norm, s.rms_norm_eps), "Kcur_normed", li)
@@ -224,7 +194,7 @@ class _Step:
             kq = nm(b.ggml_soft_max_ext(ctx, kq, masks[window], kq_scale, 0.0), "kq_soft_max", li)
             o = nm(_ggml.mul_mat(ctx, vr, kq), "kqv", li)  # [hd, seq, nq]
             o = nm(b.ggml_cont_2d(ctx, b.ggml_permute(ctx, o, 0, 2, 1, 3), hd * nq, seq), "kqv_out", li)
-            a = nm(eng.mm(ctx, lw.o, o), "attn_out", li)
+            a = nm(mm(ctx, lw.o, o), "attn_out", li)
             if lw.post_attn is not None:
                 a = nm(eng.norm(ctx, a, lw.post_attn), "attn_post_norm", li)
             cur = nm(b.ggml_add(ctx, cur, a), "sa_out" if lw.post_attn is not None else "ffn_inp", li)
@@ -233,14 +203,14 @@ class _Step:
                 self.out_x = np.zeros((seq, hid), np.float32)
                 b.ggml_build_forward_expand(gf, b.ggml_cpy(ctx, x, leaf(self.out_x, b.ggml_new_tensor_2d(ctx, _F32, hid, seq))))
                 break
-            g, u = nm(eng.mm(ctx, lw.gate, x), "ffn_gate", li), nm(eng.mm(ctx, lw.up, x), "ffn_up", li)
-            f = nm(eng.mm(ctx, lw.down, nm(eng.glu(ctx, g, u), "ffn_" + eng.glu_name[5:-6], li)), "ffn_out", li)
+            g, u = nm(mm(ctx, lw.gate, x), "ffn_gate", li), nm(mm(ctx, lw.up, x), "ffn_up", li)
+            f = nm(mm(ctx, lw.down, nm(eng.glu(ctx, g, u), "ffn_" + eng.glu_name[5:-6], li)), "ffn_out", li)
             if lw.post_ffn is not None:
                 f = nm(eng.norm(ctx, f, lw.post_ffn), "ffn_post_norm", li)
             cur = nm(b.ggml_add(ctx, cur, f), "l_out", li)
         if head:
             last = b.ggml_view_2d(ctx, cur, hid, 1, cur.contents.nb[1], (seq - 1) * cur.contents.nb[1])
-            y = nm(eng.mm(ctx, eng.lm_head, nm(eng.norm(ctx, last, eng.final_norm), "result_norm")), "result_output")
+            y = nm(mm(ctx, eng.lm_head, nm(eng.norm(ctx, last, eng.final_norm), "result_norm")), "result_output")
             if s.final_logit_softcapping:
                 c = float(s.final_logit_softcapping)
                 y = b.ggml_scale(ctx, b.ggml_tanh(ctx, b.ggml_scale(ctx, y, 1.0 / c)), c)
@@ -394,13 +364,13 @@ class GraphEngine:
             t = self._weights[id(m)] = (w, keep, m)
         return t[0]
 
-    def mm(self, ctx, m: Any, x):
+    def mm(self, ctx, m: Any, x, alone: bool = False):
         b = _ggml.lib().base
         w = self._weight(m)
         pad = w.contents.ne[0] - x.contents.ne[0]
         if pad:
             x = b.ggml_pad(ctx, x, pad, 0, 0, 0)
-        return _ggml.mul_mat(ctx, w, x)
+        return _ggml.mul_mat(ctx, w, x, alone)
 
     def norm(self, ctx, x, w: Any, eps: float | None = None):
         b = _ggml.lib().base
@@ -444,34 +414,41 @@ class GraphEngine:
         s = self.spec
         return GraphCache(s.num_layers, s.num_kv_heads, s.head_dim, self.kv_dtype, slack=slack)
 
-    def _graph(self, seq: int, cap: int, lens: tuple, head: bool, layer: int | None = None) -> _Step:
-        key = (seq, cap, lens, head, layer)
+    def _graph(self, seq: int, cap: int, lens: tuple, head: bool, layer: int | None = None,
+               alone: bool = False) -> _Step:
+        alone = alone and seq > 1
+        key = (seq, cap, lens, head, layer, alone)
         graphs = self._graphs
         g = graphs.get(key)
         if g is None:
-            g = graphs[key] = _Step(self, seq, cap, dict(lens), head, layer)
+            g = graphs[key] = _Step(self, seq, cap, dict(lens), head, layer, alone)
             while len(graphs) > _MAX_GRAPHS * (1 if layer is None else len(self.layers)):
                 graphs.popitem(last=False)
         else:
             graphs.move_to_end(key)
         return g
 
-    def step(self, rows: np.ndarray, cache: GraphCache, head: bool) -> np.ndarray:
+    def step(self, rows: np.ndarray, cache: GraphCache, head: bool, alone: bool = False) -> np.ndarray:
         """``rows`` (embedded, ``[seq, hidden]``) through every layer, appended to ``cache``; returns
-        the logits of the last row ``[vocab]`` (``head``) or the residual ``[seq, hidden]``."""
+        the logits of the last row ``[vocab]`` (``head``) or the residual ``[seq, hidden]``.
+
+        ``alone``: every row gets the floats it would get in a step of its own (speculation's verify
+        rows against plain decoding): a repacked weight then multiplies the rows one by one
+        (`_ggml.mul_mat`). Without it (a prompt's prefill) ggml sums 4+ rows of those weights in its
+        gemm, as llama.cpp's prefill does (DESIGN.md §4.4)."""
         seq = rows.shape[0]
         if seq == 0:
             raise ValueError("no ids to run: a step needs at least one row")
         if head and seq > _CHUNK:
-            self.step(rows[:-_CHUNK], cache, False)
-            return self.step(rows[-_CHUNK:], cache, True)
+            self.step(rows[:-_CHUNK], cache, False, alone)
+            return self.step(rows[-_CHUNK:], cache, True, alone)
         if seq > _CHUNK:
-            return np.concatenate([self.step(rows[i : i + _CHUNK], cache, False) for i in range(0, seq, _CHUNK)])
+            return np.concatenate([self.step(rows[i : i + _CHUNK], cache, False, alone) for i in range(0, seq, _CHUNK)])
         with self._lock:
             st = self.begin(seq, cache)
-            g = self._graph(seq, cache.capacity, st.lens, head)
+            g = self._graph(seq, cache.capacity, st.lens, head, alone=alone)
             self._bind(g, rows, cache, st)
-            _pool.run(g)
+            graph_pool.run(g)
             cache.length = st.end
             return g.out.copy()
 
@@ -518,14 +495,15 @@ class GraphEngine:
             kr[j].data = kb + a * hdb
             vr[j].data = vb + a * esz
 
-    def attention(self, layer: int, h: np.ndarray, cache: GraphCache, st: "_StepState") -> tuple[np.ndarray, np.ndarray]:
+    def attention(self, layer: int, h: np.ndarray, cache: GraphCache, st: "_StepState",
+                  alone: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """One layer's attention half as a graph (the FFN is elsewhere): the residual after attention
         and the FFN's normed input, both ``[seq, hidden]``. ``st`` from `begin`; the caller sets
-        ``cache.length = st.end`` after the last layer."""
+        ``cache.length = st.end`` after the last layer. ``alone``: as `step`."""
         with self._lock:
-            g = self._graph(h.shape[0], cache.capacity, st.lens, False, layer)
+            g = self._graph(h.shape[0], cache.capacity, st.lens, False, layer, alone)
             self._bind(g, h, cache, st)
-            _pool.run(g)
+            graph_pool.run(g)
             return g.out.copy(), g.out_x.copy()
 
 

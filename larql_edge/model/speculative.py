@@ -371,7 +371,7 @@ def generate(model, ids: Sequence[int], max_tokens: int, temperature: float = 0.
         draft = drafter.propose(context, k, temperature, rng) if k > 0 else Draft([])
         drafts = draft.tokens[:k]
         start = cache.length
-        targets = targets_of(model.forward([pending, *drafts], cache))
+        targets = targets_of(model.forward([pending, *drafts], cache, alone=True))  # as plain decoding's rows
         if greedy:
             kept, nxt = accept_greedy(drafts, targets)
         else:

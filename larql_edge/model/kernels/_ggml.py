@@ -238,12 +238,30 @@ def min_rows() -> int:
     return lib().min_rows
 
 
-def mul_mat(ctx: int, w, x):
+# A product on a repacked weight (`Repacked`) is computed one row of x at a time (`MatMulCache`; the
+# FFN graphs, `ffn_graph`): ggml's repack kernels send 4+ rows through their gemm and fewer through
+# gemv, which sum in another order, so a row's floats would depend on how many rows came with it
+# (serve's batched == alone, DESIGN.md §4.4). gemv per row costs ~1.15x the gemm at 16 rows (Q4_K
+# 2048x640: 16 x 45 us vs 625 us) and is still faster than `vec_dot` (1154 us). `mul_mat` (the local
+# step graphs) keeps ggml's choice when asked nothing: llama.cpp's prefill takes the gemm, and the
+# greedy parity with llama.cpp (tests/test_llama_cpp_parity.py) parts at a near-tie without it.
+ROW_BY_ROW = True
+
+
+def mul_mat(ctx: int, w, x, alone: bool = False):
     """``ggml_mul_mat(w, x)`` in a graph, x's rows (dim 1) padded with copies up to `min_rows`; the
     result is the view of the real rows (contiguous for a 2-D x; ``ggml_cont`` it before an op that
-    needs that, e.g. softmax)."""
+    needs that, e.g. softmax). ``alone``: on a repacked weight, a 2-D x's rows go one by one, one node
+    each, joined by pairwise ``ggml_concat`` (each row then has its one-row floats)."""
     b = lib().base
     n = x.contents.ne[1]
+    xt = x.contents
+    if alone and n > 1 and w.contents.extra and xt.ne[2] == 1 and xt.ne[3] == 1:
+        rows = [b.ggml_mul_mat(ctx, w, b.ggml_view_2d(ctx, x, xt.ne[0], 1, xt.nb[1], r * xt.nb[1])) for r in range(n)]
+        while len(rows) > 1:  # pairwise: each result row is copied log2(n) times, not n
+            rows = [b.ggml_concat(ctx, rows[i], rows[i + 1], 1) if i + 1 < len(rows) else rows[i]
+                    for i in range(0, len(rows), 2)]
+        return rows[0]
     if n >= lib().min_rows:
         return b.ggml_mul_mat(ctx, w, x)
     xx = x
@@ -424,6 +442,13 @@ class MatMulCache:
         self._free: dict[tuple[int, int, int], list[MulMat]] = {}
 
     def run(self, n: int, a: int, b: int, x_ptr: int, y_ptr: int) -> None:
+        if ROW_BY_ROW and self.repacked is not None and n > 1:
+            # Row by row (`ROW_BY_ROW`): ggml's repacked kernels take 4+ rows of x through their gemm
+            # and the rest through gemv, whose sums differ in the last bits.
+            xb, yb = self.kcols * 4, self.ystride * 4
+            for r in range(n):
+                self.run(1, a, b, x_ptr + r * xb, y_ptr + r * yb)
+            return
         key = (n, a, b)
         free = self._free.get(key)
         if free is None:

@@ -1,18 +1,24 @@
-"""The kernels' one thread pool: plain Python threads over row ranges (ctypes releases the GIL).
+"""The kernels' threads: Python threads over row ranges for single products, one ggml thread pool for
+whole graphs (`graph_pool`: the local step's graphs, an FFN shard's fused layer). Both take their size
+from `get_threads` and hold no core while idle.
 
-Why not ggml's own threads: without a persistent ggml threadpool every multi-thread graph spawns and
-joins its threads (measured 20-80x slower per product on this loaded 2-core machine), and a persistent
-one spins or sleeps beside OpenBLAS's workers: two pools that stall each other on 2 cores (DESIGN.md).
-Here the only parallelism is ``threads`` Python threads, each running a one-thread ggml graph over its
-rows (or, for tiled products, a single-threaded SGEMM: the process keeps BLAS at one thread, as
-larql-edge does with OPENBLAS_NUM_THREADS=1). The calling thread does one share itself.
+Single products (`split_rows`): ``threads`` Python threads (ctypes releases the GIL), each running a
+one-thread ggml graph over its rows (or, for tiled products, a single-threaded SGEMM: the process keeps
+BLAS at one thread, as larql-edge does with OPENBLAS_NUM_THREADS=1); the calling thread does one share
+itself. Why not ggml's threads there: without a persistent ggml pool every multi-thread graph spawns
+and joins its threads (measured 20-80x slower per product on this loaded 2-core machine).
+
+Graphs run on one persistent ggml pool whose workers sleep as soon as a graph ends (`GRAPH_POLL`):
+ggml's default keeps them spinning, and a spinning pool stalls the other roles sharing the cores.
 """
 
 from __future__ import annotations
 
+import ctypes as C
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from typing import Protocol
 
 from larql_edge.config import kernel_threads
 
@@ -58,11 +64,11 @@ def _get_pool(workers: int) -> ThreadPoolExecutor:
         return _pool
 
 
-def split_rows(work, rows: int, parallel: bool, align: int = 1) -> None:
+def split_rows(work, rows: int, parallel: bool, align: int = 1, least: int = 64) -> None:
     """Run ``work(a, b)`` over ``[0, rows)``, split into contiguous ranges across the threads (each
-    range's bounds multiples of ``align``, but the last's end)."""
+    range's bounds multiples of ``align``, but the last's end; each range at least ``least`` rows)."""
     n = get_threads() if parallel else 1
-    n = min(n, max(1, rows // 64))
+    n = min(n, max(1, rows // least))
     if n == 1:
         work(0, rows)
         return
@@ -75,3 +81,53 @@ def split_rows(work, rows: int, parallel: bool, align: int = 1) -> None:
     finally:
         for f in futures:
             f.result()
+
+
+# ggml's threads poll for the next graph ``1024 * 128 * poll`` times (``_mm_pause`` each) before they
+# sleep; its default, 50, keeps a worker spinning for ~100 ms after every graph on this Zen 4. In a grid
+# the next graph of a role comes after a hop, while another role (an FFN shard, the embed server's
+# lm_head) needs that core: so the workers sleep at once, and a graph pays one wake-up (~35 us here,
+# benchmarks/ffn_threads.py).
+GRAPH_POLL = 0
+
+
+class _Graph(Protocol):
+    def run(self, threads: int, pool: int | None) -> None: ...
+
+
+class GraphPool:
+    """The process's one ggml thread pool (none for one thread: the calling thread computes alone).
+
+    A ggml thread pool works on one graph at a time: two graphs computed on it at once (two models
+    in one process on two threads, e.g. in-process clients generating side by side) corrupt each
+    other's work; seen as NaN rows sent to the router, then a segfault inside ggml_graph_compute
+    (tests/test_swarm.py's in-process streams, 2 threads, load ~5). So a multi-thread compute holds
+    the pool's lock, and the pool is only replaced under it. One thread needs no pool and no lock."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.n = 0
+        self.ptr: int | None = None
+
+    def run(self, graph: _Graph, threads: int | None = None) -> None:
+        """``graph.run(threads, pool)`` on ``threads`` threads (default: `get_threads`)."""
+        n = threads or get_threads()
+        if n == 1:
+            graph.run(1, None)
+            return
+        with self.lock:
+            if n != self.n:
+                from larql_edge.model.kernels import _ggml
+
+                L = _ggml.lib()
+                if self.ptr:
+                    L.cpu.ggml_threadpool_free(self.ptr)
+                    self.ptr = None
+                params = L.base.ggml_threadpool_params_default(n)
+                params.poll = GRAPH_POLL
+                self.ptr = L.cpu.ggml_threadpool_new(C.byref(params))
+                self.n = n
+            graph.run(self.n, self.ptr)
+
+
+graph_pool = GraphPool()
