@@ -3,7 +3,7 @@ forward measured in the same run, per-hop latency, 59-token prefill, and the RSS
 
     python benchmarks/grid.py [--model gemma3-270m] [--tokens 32] [--rounds 3] [--replicas 2]
                               [--compare-code DIR] [--out benchmarks/results/grid.txt]
-    python benchmarks/grid.py --compare-grid DIR [--compare-python PY] [--rounds 3]
+    python benchmarks/grid.py --compare-grid DIR [--compare-python PY] [--kernel-threads N] [--rounds 3]
 
 ``--replicas 2`` (the default) runs two replicas of each range, so the direct data path hedges its hops
 as on a production grid. ``--compare-code DIR`` also decodes on the direct path from client processes
@@ -124,13 +124,13 @@ print(tokens / (time.perf_counter() - t0))
 
 
 def child_decode_rate(code: Path, vindex: Path, router: str, ids: list[int], tokens: int,
-                      python: str | None = None) -> float:
+                      python: str | None = None, threads: int = 1) -> float:
     """Decode tok/s on the direct path from a client process running the larql-edge tree at ``code``
     (with ``python``: that interpreter, e.g. the tree's own virtual environment)."""
     import json
 
-    # one thread of products, as `larql generate --ffn` pins its own (BLAS and the kernels)
-    env = {**os.environ, "PYTHONPATH": str(code), "LARQL_KERNEL_THREADS": "1"}
+    # one thread of products by default, as `larql generate --ffn` pins its own (BLAS and the kernels)
+    env = {**os.environ, "PYTHONPATH": str(code), "LARQL_KERNEL_THREADS": str(threads)}
     r = subprocess.run([python or sys.executable, "-c", _DECODE_CHILD, str(vindex), router, json.dumps(ids), str(tokens)],
                        capture_output=True, text=True, cwd=str(code), env=env, timeout=900)
     if r.returncode:
@@ -147,11 +147,12 @@ def tree_python(tree: Path, python: str | None) -> str | None:
 
 
 def start_grid(sup, tag: str, tree: Path | None, python: str | None, paths, ranges, replicas: int, host: str,
-               ports: list[int]):
+               ports: list[int], kernel_threads: int | None = None):
     """Router, embed server and ``replicas`` FFN shards per range, every role from ``tree`` (None: this one)
-    run by ``python``'s virtual environment (its bin folder's larql-* entry points)."""
+    run by ``python``'s virtual environment (its bin folder's larql-* entry points); ``kernel_threads``:
+    the roles' LARQL_KERNEL_THREADS (else what --blas-threads 1 gives: one)."""
     rp, ep, *sp = ports
-    env: dict[str, str] = {}
+    env: dict[str, str] = {} if kernel_threads is None else {"LARQL_KERNEL_THREADS": str(kernel_threads)}
     cmd = lambda name: name  # noqa: E731
     if tree is not None:
         env["PYTHONPATH"] = str(tree)
@@ -183,7 +184,8 @@ def compare_grids(args, paths, n_layers: int, say) -> None:
     other = Path(args.compare_grid).resolve()
     other_py = tree_python(other, args.compare_python)
     try:
-        grids = {"this": start_grid(sup, "this", None, None, paths, ranges, args.replicas, host, ports[:n]),
+        grids = {"this": start_grid(sup, "this", None, None, paths, ranges, args.replicas, host, ports[:n],
+                                    args.kernel_threads),
                  "other": start_grid(sup, "other", other, other_py, paths, ranges, args.replicas, host, ports[n:])}
         sup.wait_ready(sup.roles, time.monotonic() + 900)
         for router, _, _ in grids.values():
@@ -193,13 +195,16 @@ def compare_grids(args, paths, n_layers: int, say) -> None:
         prompt = tok.encode("The capital of France is").ids
         say(f"Whole grid against whole grid: {args.model} ({n_layers} layers), router + embed + {len(ranges) * args.replicas} "
             f"FFN shards ({', '.join(map(str, ranges))}, {args.replicas} each) per grid, every process 1 BLAS thread")
-        say(f"  this:  {ROOT} ({sys.executable}), roles and client")
+        say(f"  this:  {ROOT} ({sys.executable}), roles and client; kernel threads "
+            f"{args.kernel_threads or 'as --blas-threads (1)'} (an older tree's kernels may use every CPU whatever "
+            "--blas-threads says: d8dfbd4's numba did)")
         say(f"  other: {other} ({other_py or sys.executable}), roles and client")
         say(f"  vindexes: {', '.join(f'{k} {v}' for k, v in paths.items())}")
         say(f"  load average before: {os.getloadavg()[0]:.2f}")
         rates: dict[str, list[float]] = {"this": [], "other": []}
         for _ in range(args.rounds):  # alternating: the same neighbours' load for both
-            rates["this"].append(child_decode_rate(ROOT, paths["client"], grids["this"][0].url, prompt, args.tokens))
+            rates["this"].append(child_decode_rate(ROOT, paths["client"], grids["this"][0].url, prompt, args.tokens,
+                                                   threads=args.kernel_threads or 1))
             rates["other"].append(child_decode_rate(other, paths["client"], grids["other"][0].url, prompt, args.tokens,
                                                     other_py))
         bt, bo = max(rates["this"]), max(rates["other"])
@@ -226,6 +231,9 @@ def main() -> int:
                          "grid of the tree at DIR, decoding alternately (results kept with earlier runs)")
     ap.add_argument("--compare-python", default=None, metavar="PY",
                     help="the interpreter for DIR's roles and client (default: DIR/.venv/bin/python if it exists)")
+    ap.add_argument("--kernel-threads", type=int, default=None,
+                    help="with --compare-grid: this tree's roles' and client's kernel threads (equal threads against "
+                         "a tree whose kernels ignored --blas-threads)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "grid.txt"))
     args = ap.parse_args()
     threadpool_limits(1)

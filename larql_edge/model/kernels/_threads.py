@@ -86,8 +86,9 @@ def split_rows(work, rows: int, parallel: bool, align: int = 1, least: int = 64)
 # ggml's threads poll for the next graph ``1024 * 128 * poll`` times (``_mm_pause`` each) before they
 # sleep; its default, 50, keeps a worker spinning for ~100 ms after every graph on this Zen 4. In a grid
 # the next graph of a role comes after a hop, while another role (an FFN shard, the embed server's
-# lm_head) needs that core: so the workers sleep at once, and a graph pays one wake-up (~35 us here,
-# benchmarks/ffn_threads.py).
+# lm_head) needs that core: so the workers sleep at once, and a multi-thread graph pays one wake-up
+# (~35 us here: a one-row FFN layer forced onto 2 threads took 153 us against 119 polling; at the 4+
+# rows that take 2 threads, benchmarks/ffn_threads.py has poll 0 and 50 within the noise).
 GRAPH_POLL = 0
 
 
