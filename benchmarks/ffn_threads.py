@@ -98,8 +98,8 @@ def layer_routes(args, quant: str, ffn: LocalFfn, layer: int, hidden: int, rng, 
     w = ffn.layers[layer]
     repacked = [n for n, m in (("gate", w.gate), ("up", w.up), ("down", w.down)) if m.repacked]
     say(f"\n{quant}: layer {layer} (gate {w.gate.fmt}, up {w.up.fmt}, down {w.down.fmt}; repacked: "
-        + (", ".join(repacked) or "none") + ("; 2t: rows shared among Python threads, each row alone"
-                                             if repacked else "; 2t: ggml's pool") + ")")
+        + (", ".join(repacked) or "none") + ("; every route but the gemm: a chain of nodes per row"
+                                             if repacked else "") + "; 2t: ggml's pool)")
     say(f"{'rows':>5} {'route':<28} {'us':>8} {'x graph 1t':>11}")
     for rows in (int(r) for r in args.rows.split(",")):
         rows_routes(args, quant, ffn, layer, rng.standard_normal((rows, hidden)).astype(np.float32), say)

@@ -16,7 +16,7 @@ are not re-entrant (their buffers hold the intermediates): a free list per key, 
 Threads: from `PARALLEL_FROM_MACS` (4+ rows of Gemma's FFN) a graph computes on the process's ggml
 pool (`kernels._threads.graph_pool`); the floats are the one-thread graph's. A layer with a repacked
 weight goes one row at a time (`kernels._ggml.ROW_BY_ROW`: ggml's repack gemm sums 4+ rows otherwise
-than its gemv sums one), the rows shared among the kernel threads (DESIGN.md §4.4).
+than its gemv sums one): one chain of nodes per row, in the same graph (DESIGN.md §4.4).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import numpy as np
 from larql_edge.model.kernels import _ggml
 from larql_edge.model.kernels._formats import FORMATS
 from larql_edge.model.kernels._matrix import PARALLEL_FROM_MACS, CompactMatrix
-from larql_edge.model.kernels._threads import get_threads, graph_pool, split_rows
+from larql_edge.model.kernels._threads import get_threads, graph_pool
 
 _F32 = 0
 # Rows up to which a request's layer runs as one graph (above, each product's own row split and
@@ -76,13 +76,14 @@ def fusable(gate, up, down) -> bool:
 
 
 class _FfnStep:
-    """One built graph: ``n`` rows through gate, up, glu, down."""
+    """One built graph: ``n`` rows through gate, up, glu, down; with ``per_row``, n one-row chains
+    (a repacked weight's rows one by one, `kernels._ggml.ROW_BY_ROW`) in the same one graph."""
 
-    def __init__(self, n: int, glu: str, kinds: tuple):
+    def __init__(self, n: int, glu: str, kinds: tuple, per_row: bool = False):
         L = _ggml.lib()
         b = L.base
         (gf, grows, gk, grp), (uf, urows, uk, urp), (df, drows, dk, drp) = kinds
-        nodes = 16
+        nodes = 6 * n + 16 if per_row else 16
         mem = nodes * 2 * int(b.ggml_tensor_overhead()) + int(b.ggml_graph_overhead_custom(nodes, False)) + 1024
         self._mem = np.empty(mem, np.uint8)
         ctx = self._ctx = b.ggml_init(_ggml._InitParams(mem, self._mem.ctypes.data, True))
@@ -95,18 +96,22 @@ class _FfnStep:
         w = [b.ggml_new_tensor_2d(ctx, _ggml.TYPE[f], k, r) for f, r, k in ((gf, grows, gk), (uf, urows, uk), (df, drows, dk))]
         x = b.ggml_new_tensor_2d(ctx, _F32, gk, n)
         x.contents.data = self.x.ctypes.data
-        g = b.ggml_mul_mat(ctx, w[0], x)
-        u = b.ggml_mul_mat(ctx, w[1], x)
-        h = getattr(b, glu)(ctx, g, u)
-        for t, buf in zip((g, u, h), self._h, strict=True):
-            t.contents.data = buf.ctypes.data
-        y = b.ggml_mul_mat(ctx, w[2], h)
-        y.contents.data = 1  # repointed at the caller's output per call (never computed before)
         self._graph = b.ggml_new_graph_custom(ctx, nodes, False)
-        b.ggml_build_forward_expand(self._graph, y)
+        ys = []
+        for r in range(n) if per_row else [None]:
+            xr = x if r is None else b.ggml_view_2d(ctx, x, gk, 1, x.contents.nb[1], r * x.contents.nb[1])
+            g = b.ggml_mul_mat(ctx, w[0], xr)
+            u = b.ggml_mul_mat(ctx, w[1], xr)
+            h = getattr(b, glu)(ctx, g, u)
+            for t, buf in zip((g, u, h), self._h, strict=True):
+                t.contents.data = buf[0 if r is None else r].ctypes.data
+            y = b.ggml_mul_mat(ctx, w[2], h)
+            y.contents.data = 1  # repointed at the caller's output per call (never computed before)
+            b.ggml_build_forward_expand(self._graph, y)
+            ys.append(y.contents)
         self._plans: dict[tuple[int, int | None], tuple[_ggml._CPlan, np.ndarray]] = {}
         self._w = [t.contents for t in w]
-        self._y = y.contents
+        self._ys = ys
         self._compute = L.cpu.ggml_graph_compute
 
     def point(self, ws: tuple[_Weight, _Weight, _Weight], x: np.ndarray, out: np.ndarray) -> None:
@@ -114,7 +119,12 @@ class _FfnStep:
         self.x[:, : x.shape[1]] = x
         for t, wt in zip(self._w, ws, strict=True):
             t.data, t.buffer, t.extra = wt.data, wt.buffer, wt.extra
-        self._y.data = out.ctypes.data
+        if len(self._ys) == 1:
+            self._ys[0].data = out.ctypes.data
+        else:
+            rb = out.strides[0]
+            for r, y in enumerate(self._ys):
+                y.data = out.ctypes.data + r * rb
 
     def run(self, threads: int, pool: int | None) -> None:
         """Compute on ``threads`` (`graph_pool`'s call): a product's floats do not depend on them,
@@ -166,22 +176,12 @@ class FfnGraphs:
             out = np.empty((n, ws[2].rows), np.float32)
         elif out.dtype != np.float32 or out.shape != (n, ws[2].rows) or not out.flags.c_contiguous:
             raise _ggml.KernelError(f"out must be a C-contiguous float32 [{n}, {ws[2].rows}] array")
-        parallel = n * ws[0].rows * ws[0].kcols >= PARALLEL_FROM_MACS
-        if n > 1 and _ggml.ROW_BY_ROW and any(w.buffer is not None for w in ws):
-            # A repacked weight: one row at a time, as its products do (kernels._ggml.ROW_BY_ROW), the
-            # rows shared among the kernel threads (benchmarks/ffn_threads.py).
-            x = np.ascontiguousarray(x, dtype=np.float32)
-
-            def rows_of(a: int, b: int) -> None:
-                for r in range(a, b):
-                    self.run(gate, up, down, x[r : r + 1], out[r : r + 1])
-
-            split_rows(rows_of, n, parallel, least=1)
-            return out
+        # a repacked weight: one row at a time, as its products do (kernels._ggml.ROW_BY_ROW)
+        per_row = n > 1 and _ggml.ROW_BY_ROW and any(w.buffer is not None for w in ws)
         # fewer rows than the build's min_rows (a native ggml with llamafile's sgemm): that many
         # copies of the rows, so that one row is summed as it is among others (kernels._ggml.sgemm_min_rows)
-        rows = max(n, _ggml.min_rows())
-        key = (rows, ws[0].kind, ws[1].kind, ws[2].kind)
+        rows = n if per_row else max(n, _ggml.min_rows())
+        key = (rows, per_row, ws[0].kind, ws[1].kind, ws[2].kind)
         free = self._free.get(key)
         if free is None:
             if len(self._free) >= _MAX_KEYS:
@@ -190,11 +190,11 @@ class FfnGraphs:
         try:
             st = free.pop()
         except IndexError:
-            st = _FfnStep(rows, self.glu, key[1:])
+            st = _FfnStep(rows, self.glu, key[2:], per_row)
         try:
             # the kernel threads where the products would split over them (PARALLEL_FROM_MACS); below
             # that, waking a second thread costs about what it saves
-            threads = get_threads() if parallel else 1
+            threads = get_threads() if n * ws[0].rows * ws[0].kcols >= PARALLEL_FROM_MACS else 1
             if rows == n:
                 st.point(ws, x, out)
                 graph_pool.run(st, threads)

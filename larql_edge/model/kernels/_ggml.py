@@ -27,6 +27,7 @@ import sys
 import threading
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -238,8 +239,8 @@ def min_rows() -> int:
     return lib().min_rows
 
 
-# A product on a repacked weight (`Repacked`) is computed one row of x at a time (`MatMulCache`; the
-# FFN graphs, `ffn_graph`): ggml's repack kernels send 4+ rows through their gemm and fewer through
+# A product on a repacked weight (`Repacked`) is computed one row of x at a time (`MulMat`: a node per
+# row; the FFN graphs, `ffn_graph`): ggml's repack kernels send 4+ rows through their gemm and fewer through
 # gemv, which sum in another order, so a row's floats would depend on how many rows came with it
 # (serve's batched == alone, DESIGN.md §4.4). gemv per row costs ~1.15x the gemm at 16 rows (Q4_K
 # 2048x640: 16 x 45 us vs 625 us) and is still faster than `vec_dot` (1154 us). `mul_mat` (the local
@@ -299,8 +300,8 @@ def available() -> bool:
 
 
 @lru_cache(maxsize=None)
-def _ctx_bytes() -> int:
-    return 3 * int(lib().base.ggml_tensor_overhead()) + int(lib().base.ggml_graph_overhead_custom(4, False)) + 1024
+def _ctx_bytes(tensors: int = 3, nodes: int = 4) -> int:
+    return tensors * int(lib().base.ggml_tensor_overhead()) + int(lib().base.ggml_graph_overhead_custom(nodes, False)) + 1024
 
 
 class Repacked:
@@ -370,13 +371,36 @@ class MulMat:
     def __init__(self, wdata: np.ndarray, wtype: int, kcols: int, n: int, ystride: int,
                  repacked: tuple[Repacked, int, int] | None = None):
         L = lib()
-        self._mem = np.empty(_ctx_bytes(), np.uint8)
+        # A repacked weight takes its rows one by one (`ROW_BY_ROW`): n one-row products in this one
+        # graph, so a row costs a node, not a Python call and a graph compute
+        self._rows: list[tuple[Any, Any]] | None = None
+        per_row = ROW_BY_ROW and repacked is not None and n > 1
+        # (nodes and leaves: the graph's size bounds each)
+        self._mem = np.empty(_ctx_bytes(2 * n + 1 if per_row else 3, 2 * n + 2 if per_row else 4), np.uint8)
         self._ctx = L.base.ggml_init(_InitParams(self._mem.nbytes, self._mem.ctypes.data, True))
         if not self._ctx:
             raise KernelError("ggml_init failed")
         if repacked is not None:
             rp, a, b = repacked
             w = rp.tensor(self._ctx, a, b)
+            if per_row:
+                self._kbytes, self._ybytes = kcols * 4, ystride * 4
+                rows = []
+                self._graph = L.base.ggml_new_graph_custom(self._ctx, 2 * n + 2, False)
+                for _ in range(n):
+                    x = L.base.ggml_new_tensor_2d(self._ctx, TYPE["f32"], kcols, 1)
+                    y = L.base.ggml_mul_mat(self._ctx, w, x)
+                    L.base.ggml_build_forward_expand(self._graph, y)
+                    rows.append((x.contents, y.contents))
+                self._rows = rows
+                self._pad = None
+                self._plan = L.cpu.ggml_graph_plan(self._graph, 1, None)
+                self._work = np.empty(max(1, self._plan.work_size), np.uint8)
+                self._plan.work_data = self._work.ctypes.data
+                self._keep = (wdata, repacked)
+                self._compute = L.cpu.ggml_graph_compute
+                self._plan_ref = C.byref(self._plan)
+                return
         else:
             rows = wdata.shape[0]
             w = L.base.ggml_new_tensor_2d(self._ctx, wtype, kcols, rows)
@@ -408,6 +432,14 @@ class MulMat:
         self._plan_ref = C.byref(self._plan)
 
     def run(self, x_ptr: int, y_ptr: int) -> None:
+        if self._rows is not None:
+            kb, yb = self._kbytes, self._ybytes
+            for r, (x, y) in enumerate(self._rows):
+                x.data = x_ptr + r * kb
+                y.data = y_ptr + r * yb
+            if self._compute(self._graph, self._plan_ref) != 0:
+                raise KernelError("ggml_graph_compute failed")
+            return
         if self._pad is not None:
             xp, yp, n, ybytes = self._pad
             xb, yb = xp.strides[0], yp.strides[0]
@@ -442,13 +474,6 @@ class MatMulCache:
         self._free: dict[tuple[int, int, int], list[MulMat]] = {}
 
     def run(self, n: int, a: int, b: int, x_ptr: int, y_ptr: int) -> None:
-        if ROW_BY_ROW and self.repacked is not None and n > 1:
-            # Row by row (`ROW_BY_ROW`): ggml's repacked kernels take 4+ rows of x through their gemm
-            # and the rest through gemv, whose sums differ in the last bits.
-            xb, yb = self.kcols * 4, self.ystride * 4
-            for r in range(n):
-                self.run(1, a, b, x_ptr + r * xb, y_ptr + r * yb)
-            return
         key = (n, a, b)
         free = self._free.get(key)
         if free is None:
