@@ -373,8 +373,10 @@ class MulMat:
         L = lib()
         # A repacked weight takes its rows one by one (`ROW_BY_ROW`): n one-row products in this one
         # graph, so a row costs a node, not a Python call and a graph compute
-        self._rows: list[tuple[Any, Any]] | None = None
         per_row = ROW_BY_ROW and repacked is not None and n > 1
+        self._rows: list[tuple[Any, Any]] | None = None
+        self._pad: tuple[np.ndarray, np.ndarray, int, int] | None = None
+        self._keep = (wdata, repacked)
         # (nodes and leaves: the graph's size bounds each)
         self._mem = np.empty(_ctx_bytes(2 * n + 1 if per_row else 3, 2 * n + 2 if per_row else 4), np.uint8)
         self._ctx = L.base.ggml_init(_InitParams(self._mem.nbytes, self._mem.ctypes.data, True))
@@ -383,51 +385,41 @@ class MulMat:
         if repacked is not None:
             rp, a, b = repacked
             w = rp.tensor(self._ctx, a, b)
-            if per_row:
-                self._kbytes, self._ybytes = kcols * 4, ystride * 4
-                rows = []
-                self._graph = L.base.ggml_new_graph_custom(self._ctx, 2 * n + 2, False)
-                for _ in range(n):
-                    x = L.base.ggml_new_tensor_2d(self._ctx, TYPE["f32"], kcols, 1)
-                    y = L.base.ggml_mul_mat(self._ctx, w, x)
-                    L.base.ggml_build_forward_expand(self._graph, y)
-                    rows.append((x.contents, y.contents))
-                self._rows = rows
-                self._pad = None
-                self._plan = L.cpu.ggml_graph_plan(self._graph, 1, None)
-                self._work = np.empty(max(1, self._plan.work_size), np.uint8)
-                self._plan.work_data = self._work.ctypes.data
-                self._keep = (wdata, repacked)
-                self._compute = L.cpu.ggml_graph_compute
-                self._plan_ref = C.byref(self._plan)
-                return
         else:
             rows = wdata.shape[0]
             w = L.base.ggml_new_tensor_2d(self._ctx, wtype, kcols, rows)
             w.contents.data = wdata.ctypes.data
             if w.contents.nb[1] != wdata.strides[0]:
                 raise KernelError(f"weight row bytes {wdata.strides[0]} != ggml's {w.contents.nb[1]}")
-        # fewer rows than the build's `min_rows`: computed as that many copies of the row, in buffers
-        # of this graph, and one result row copied out
-        self._pad: tuple[np.ndarray, np.ndarray, int, int] | None = None
-        ng = n
-        if n < L.min_rows:
-            ng, wrows = L.min_rows, w.contents.ne[1]
-            xp, yp = np.empty((ng, kcols), np.float32), np.empty((ng, wrows), np.float32)
-            self._pad, ystride = (xp, yp, n, ystride * 4), wrows
-        x = L.base.ggml_new_tensor_2d(self._ctx, TYPE["f32"], kcols, ng)
-        y = L.base.ggml_mul_mat(self._ctx, w, x)
-        y.contents.nb[1] = ystride * 4  # write straight into the caller's [n, all rows] output
-        y.contents.nb[2] = y.contents.nb[3] = ystride * 4 * ng
-        self._graph = L.base.ggml_new_graph_custom(self._ctx, 4, False)
-        L.base.ggml_build_forward_expand(self._graph, y)
+        if per_row:
+            self._kbytes, self._ybytes = kcols * 4, ystride * 4
+            self._graph = L.base.ggml_new_graph_custom(self._ctx, 2 * n + 2, False)
+            self._rows = []
+            for _ in range(n):
+                x = L.base.ggml_new_tensor_2d(self._ctx, TYPE["f32"], kcols, 1)
+                y = L.base.ggml_mul_mat(self._ctx, w, x)
+                L.base.ggml_build_forward_expand(self._graph, y)
+                self._rows.append((x.contents, y.contents))
+        else:
+            # fewer rows than the build's `min_rows`: computed as that many copies of the row, in
+            # buffers of this graph, and one result row copied out
+            ng = n
+            if n < L.min_rows:
+                ng, wrows = L.min_rows, w.contents.ne[1]
+                xp, yp = np.empty((ng, kcols), np.float32), np.empty((ng, wrows), np.float32)
+                self._pad, ystride = (xp, yp, n, ystride * 4), wrows
+            x = L.base.ggml_new_tensor_2d(self._ctx, TYPE["f32"], kcols, ng)
+            y = L.base.ggml_mul_mat(self._ctx, w, x)
+            y.contents.nb[1] = ystride * 4  # write straight into the caller's [n, all rows] output
+            y.contents.nb[2] = y.contents.nb[3] = ystride * 4 * ng
+            self._graph = L.base.ggml_new_graph_custom(self._ctx, 4, False)
+            L.base.ggml_build_forward_expand(self._graph, y)
+            self._x, self._y = x.contents, y.contents
+            if self._pad is not None:
+                self._x.data, self._y.data = self._pad[0].ctypes.data, self._pad[1].ctypes.data
         self._plan = L.cpu.ggml_graph_plan(self._graph, 1, None)
         self._work = np.empty(max(1, self._plan.work_size), np.uint8)
         self._plan.work_data = self._work.ctypes.data
-        self._x, self._y = x.contents, y.contents
-        if self._pad is not None:
-            self._x.data, self._y.data = self._pad[0].ctypes.data, self._pad[1].ctypes.data
-        self._keep = (wdata, repacked)
         self._compute = L.cpu.ggml_graph_compute
         self._plan_ref = C.byref(self._plan)
 
