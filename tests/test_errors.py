@@ -100,6 +100,7 @@ def _http_error(cls_name: str, status: int):
     ("RepositoryNotFoundError", 404, E.HubNotFound),
     ("RevisionNotFoundError", 404, E.HubRevisionNotFound),
     ("RemoteEntryNotFoundError", 404, E.HubNotFound),
+    ("EgressLimitError", 402, E.HubForbidden),  # huggingface_hub 2.5: the download allowance is used up
     ("HfHubHTTPError", 401, E.HubUnauthorized),
     ("HfHubHTTPError", 403, E.HubForbidden),
     ("HfHubHTTPError", 404, E.HubNotFound),

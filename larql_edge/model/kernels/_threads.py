@@ -64,11 +64,11 @@ def _get_pool(workers: int) -> ThreadPoolExecutor:
         return _pool
 
 
-def split_rows(work, rows: int, parallel: bool, align: int = 1, least: int = 64) -> None:
+def split_rows(work, rows: int, parallel: bool, align: int = 1) -> None:
     """Run ``work(a, b)`` over ``[0, rows)``, split into contiguous ranges across the threads (each
-    range's bounds multiples of ``align``, but the last's end; each range at least ``least`` rows)."""
+    range's bounds multiples of ``align``, but the last's end)."""
     n = get_threads() if parallel else 1
-    n = min(n, max(1, rows // least))
+    n = min(n, max(1, rows // 64))
     if n == 1:
         work(0, rows)
         return

@@ -136,15 +136,24 @@ def _own_words(cls: type[HubError]) -> Callable[[BaseException, str], HubError]:
     return lambda e, what: cls(f"{what}: {str(e).splitlines()[0][:300] if str(e) else type(e).__name__}")
 
 
+def _egress(e: BaseException, what: str) -> HubError:
+    """402: the account's download allowance is used up; the Hub's own message says the usage and how
+    to raise it (its first line is only the status and the request id)."""
+    said = [ln.strip() for ln in str(getattr(e, "server_message", "") or "").splitlines() if ln.strip()]
+    return HubForbidden(f"{what}: the account's Hub download (egress) allowance is used up (402)"
+                        + (f": {said[0][:300]}" if said else ": see the account's usage on the Hub"))
+
+
 _UNREACHABLE = _own_words(HubError)  # inference, CLI, DDUF, sandbox...: never raised by the calls we make
 
-# Every class of huggingface_hub.errors (2.4), most specific first where they inherit.
+# Every class of huggingface_hub.errors (2.5), most specific first where they inherit.
 FOREIGN: dict[str, Callable[[BaseException, str], HubError]] = {
     "GatedRepoError": _msg(HubGated, f"gated repo: accept its conditions on the Hub, then {TOKEN_HINT}"),
     "RepositoryNotFoundError": _msg(HubNotFound, f"repository not found (or private: check the name; {TOKEN_HINT})"),
     "RevisionNotFoundError": _msg(HubRevisionNotFound, "revision not found (check the branch, tag or commit)"),
     "RemoteEntryNotFoundError": _msg(HubNotFound, "file not found in the repository"),
     "DisabledRepoError": _msg(HubForbidden, "the repository is disabled"),
+    "EgressLimitError": _egress,
     "BucketNotFoundError": _msg(HubNotFound, "bucket not found"),
     "JobNotFoundError": _msg(HubNotFound, "job not found"),
     "BadRequestError": _own_words(HubError),
