@@ -21,7 +21,6 @@ than its gemv sums one): one chain of nodes per row, in the same graph (DESIGN.m
 
 from __future__ import annotations
 
-import ctypes as C
 import threading
 from dataclasses import dataclass
 
@@ -109,34 +108,22 @@ class _FfnStep:
             y.contents.data = 1  # repointed at the caller's output per call (never computed before)
             b.ggml_build_forward_expand(self._graph, y)
             ys.append(y.contents)
-        self._plans: dict[tuple[int, int | None], tuple[_ggml._CPlan, np.ndarray]] = {}
+        self._plans = _ggml.GraphPlans(self._graph)
         self._w = [t.contents for t in w]
         self._ys = ys
-        self._compute = L.cpu.ggml_graph_compute
 
     def point(self, ws: tuple[_Weight, _Weight, _Weight], x: np.ndarray, out: np.ndarray) -> None:
         """Aim the graph at a layer's weights, the caller's rows and its output buffer."""
         self.x[:, : x.shape[1]] = x
         for t, wt in zip(self._w, ws, strict=True):
             t.data, t.buffer, t.extra = wt.data, wt.buffer, wt.extra
-        if len(self._ys) == 1:
-            self._ys[0].data = out.ctypes.data
-        else:
-            rb = out.strides[0]
-            for r, y in enumerate(self._ys):
-                y.data = out.ctypes.data + r * rb
+        for r, y in enumerate(self._ys):  # one output, or one per row (per_row)
+            y.data = out.ctypes.data + r * out.strides[0]
 
     def run(self, threads: int, pool: int | None) -> None:
         """Compute on ``threads`` (`graph_pool`'s call): a product's floats do not depend on them,
         since ggml gives each thread whole dot products."""
-        plan = self._plans.get((threads, pool))
-        if plan is None:
-            p = _ggml.lib().cpu.ggml_graph_plan(self._graph, threads, pool)
-            work = np.empty(max(1, p.work_size), np.uint8)
-            p.work_data = work.ctypes.data
-            plan = self._plans[(threads, pool)] = (p, work)
-        if self._compute(self._graph, C.byref(plan[0])) != 0:
-            raise _ggml.KernelError("ggml_graph_compute failed")
+        self._plans.compute(threads, pool)
 
     def __del__(self) -> None:
         ctx = getattr(self, "_ctx", None)

@@ -22,7 +22,6 @@ and tensor ``data`` pointers before each compute. Measured figures: DESIGN.md §
 
 from __future__ import annotations
 
-import ctypes as C
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -230,18 +229,10 @@ class _Step:
         if not b.ggml_gallocr_alloc_graph(self._galloc, gf):
             raise _ggml.KernelError("ggml_gallocr_alloc_graph failed")
         self.buffer_bytes = int(b.ggml_gallocr_get_buffer_size(self._galloc, 0))
-        self._plans: dict[tuple[int, int | None], tuple[_ggml._CPlan, np.ndarray]] = {}
-        self._compute = L.cpu.ggml_graph_compute
+        self._plans = _ggml.GraphPlans(self._graph)
 
     def run(self, threads: int, pool: int | None) -> None:
-        plan = self._plans.get((threads, pool))
-        if plan is None:
-            p = _ggml.lib().cpu.ggml_graph_plan(self._graph, threads, pool)
-            work = np.empty(max(1, p.work_size), np.uint8)
-            p.work_data = work.ctypes.data
-            plan = self._plans[(threads, pool)] = (p, work)
-        if self._compute(self._graph, C.byref(plan[0])) != 0:
-            raise _ggml.KernelError("ggml_graph_compute failed")
+        self._plans.compute(threads, pool)
 
     def __del__(self) -> None:
         lib = _ggml._lib

@@ -360,6 +360,26 @@ class Repacked:
             self.buffer = None
 
 
+class GraphPlans:
+    """A built graph's compute plans, one per (threads, pool): ``ggml_graph_plan`` sizes the work
+    buffer for the thread count, so a graph computed on 1 and on n threads keeps both."""
+
+    def __init__(self, graph) -> None:
+        self._graph = graph
+        self._plans: dict[tuple[int, int | None], tuple[_CPlan, np.ndarray]] = {}
+        self._compute = lib().cpu.ggml_graph_compute
+
+    def compute(self, threads: int, pool: int | None) -> None:
+        plan = self._plans.get((threads, pool))
+        if plan is None:
+            p = lib().cpu.ggml_graph_plan(self._graph, threads, pool)
+            work = np.empty(max(1, p.work_size), np.uint8)
+            p.work_data = work.ctypes.data
+            plan = self._plans[(threads, pool)] = (p, work)
+        if self._compute(self._graph, C.byref(plan[0])) != 0:
+            raise KernelError("ggml_graph_compute failed")
+
+
 class MulMat:
     """One ``ggml_mul_mat`` graph: weight rows ``[a, b)`` of a matrix times ``n`` rows of x.
 
