@@ -35,6 +35,7 @@ import argparse
 import asyncio
 import json
 import os
+import shlex
 import statistics
 import sys
 import tempfile
@@ -254,12 +255,13 @@ def compare_part(args, paths, levels: list[int], n_layers: int, say) -> None:
     trees = {"baseline": str(Path(args.baseline).resolve()), "this": here}
     try:
         bindirs = {"baseline": baseline_bindir(args), "this": None}
-        extra: dict[str, list[str]] = {"baseline": [], "this": []}
-        # --kernel-threads: this tree's kernels at that many threads (LARQL_KERNEL_THREADS, which --blas-threads 1
-        # leaves alone): an older tree's kernels may split products over every CPU whatever --blas-threads says
+        extra: dict[str, list[str]] = {"baseline": [], "this": shlex.split(args.serve_args)}
+        # --kernel-threads: both trees' kernels at that many threads (LARQL_KERNEL_THREADS, which --blas-threads 1
+        # leaves alone; the roles' environment drops an exported one): d8dfbd4's numba kernels split products
+        # over every CPU whatever either says, a later tree's follow it
         kernel_env = {"LARQL_KERNEL_THREADS": str(args.kernel_threads)} if args.kernel_threads else None
         grids = {tag: start_grid(sup, tag, tree, paths, ranges, host, ports[5 * i: 5 * i + 5], max(levels), args.model,
-                                 bindirs[tag], extra[tag], kernel_env if tag == "this" else None)
+                                 bindirs[tag], extra[tag], kernel_env)
                  for i, (tag, tree) in enumerate(trees.items())}
         sup.wait_ready(sup.roles, time.monotonic() + 900)
         for g in grids.values():
@@ -272,8 +274,9 @@ def compare_part(args, paths, levels: list[int], n_layers: int, say) -> None:
             asyncio.run(round_of(g["serve"].url, args.model, 2, 4))  # warm-up
         say(f"larql-serve, this tree ({here}) against the baseline ({trees['baseline']}): {args.model}, {n_layers} layers, "
             f"FFN on 2 shards, {args.tokens} greedy tokens per stream, {os.cpu_count()} CPUs, 1 BLAS thread per process; "
-            f"two grids side by side, rounds alternating; this tree's kernel threads "
-            f"{args.kernel_threads or 'as --blas-threads (1)'}; "
+            f"two grids side by side, rounds alternating; kernel threads "
+            f"{args.kernel_threads or 'as --blas-threads (1)'}"
+            f"{'; its larql-serve also ' + args.serve_args if args.serve_args else ''}; "
             f"load average before: {os.getloadavg()[0]:.2f}")
         say(f"interpreters: this {sys.executable}; baseline {bindirs['baseline'] or sys.executable}; vindexes: "
             + ", ".join(f"{k} {v}" for k, v in paths.items()))
@@ -323,11 +326,14 @@ def main() -> int:
     ap.add_argument("--baseline", default=None,
                     help="a checkout to compare with (e.g. /work/wt/_base): two grids, rounds alternating, ratios")
     ap.add_argument("--kernel-threads", type=int, default=None,
-                    help="with --baseline: LARQL_KERNEL_THREADS for this tree's roles (the code before --blas-threads "
+                    help="with --baseline: LARQL_KERNEL_THREADS for both trees' roles (the code before --blas-threads "
                          "capped the kernels split its products over every CPU: 2 here; equal threads compare)")
     ap.add_argument("--baseline-python", default=None,
                     help="the baseline's interpreter (its venv's bin holds the larql-* entry points); default: "
                          "DIR/.venv/bin/python when it exists, else this interpreter")
+    ap.add_argument("--serve-args", default="",
+                    help="with --baseline: more larql-serve arguments for this tree's grid (e.g. --no-speculate; "
+                         "--baseline . --baseline-python .venv/bin/python then compares one option on one tree)")
     ap.add_argument("--part", choices=["streams", "prompt-cache"], default="streams",
                     help="prompt-cache: the 5th turn's TTFT with the prefix cache on vs off")
     args = ap.parse_args()

@@ -144,6 +144,129 @@ def test_adaptive_k_backs_off_to_zero_when_drafts_keep_failing_and_recovers():
     assert AdaptiveK(0).next_k() == 0
 
 
+def test_step_cost_learns_a_steps_fixed_and_per_row_seconds_and_keeps_the_slope_when_rows_stop_varying():
+    rng = np.random.default_rng(0)
+    cost = sp.StepCost()
+    assert cost.estimate() is None
+    for _ in range(3):
+        cost.observe(16, 0.2)
+    assert cost.estimate() is None  # the rows have not varied: fixed and per-row cannot be told apart
+    for _ in range(200):
+        rows = int(rng.integers(16, 25))
+        cost.observe(rows, 0.015 + 0.012 * rows + rng.normal(0, 0.002))
+    est = cost.estimate()
+    assert est is not None
+    fixed, per_row = est
+    assert per_row == pytest.approx(0.012, abs=0.002) and fixed == pytest.approx(0.015, abs=0.03)
+    for _ in range(200):  # every draft withheld: 16 rows each step, on the same line
+        cost.observe(16, 0.015 + 0.012 * 16)
+    assert (cost.estimate() or (0.0, 0.0))[1] == pytest.approx(per_row, abs=5e-4)  # the slope is kept
+    for _ in range(200):  # ... and then the grid got 30 ms slower a step: the prediction follows
+        cost.observe(16, 0.045 + 0.012 * 16)
+    fixed2, per_row2 = cost.estimate() or (-1.0, -1.0)
+    assert fixed2 >= 0 and per_row2 >= 0
+    assert fixed2 + 16 * per_row2 == pytest.approx(0.045 + 0.012 * 16, abs=2e-3)
+    cost = sp.StepCost()
+    for i in range(50):  # rows that cost nothing (a noisy fit below zero): never a negative row
+        cost.observe(1 + i % 5, 0.05 - 0.001 * (i % 5))
+    assert cost.estimate() == (pytest.approx(0.048, abs=1e-3), 0.0)
+
+
+def test_drafts_that_pay_for_their_rows_go_in_and_the_others_do_not():
+    # Nothing measured yet: every proposed draft.
+    assert sp.drafts_that_pay([0.1, 0.9], [4, 2], 2, 2, None) == [4, 2]
+    # One sequence, the hops dominate (50 ms a step, 1 ms a row): even a coin flip's fourth draft pays.
+    assert sp.drafts_that_pay([0.5], [4], 1, 1, (0.050, 0.001)) == [4]
+    # ... but not a poor record's: chance 0.05 x 51 ms < 1 ms x 1 token.
+    assert sp.drafts_that_pay([0.01], [4], 1, 1, (0.050, 0.001)) == [0]
+    # 16 sequences, rows dominate (15 ms fixed, 12 ms a row: a row is 0.93 of a token's time): the coin
+    # flips stay out, a near-certain copier's drafts go in while their chance lasts (0.99^j > ~0.93).
+    chances = [0.5] * 15 + [0.99]
+    take = sp.drafts_that_pay(chances, [4] * 16, 16, 16, (0.015, 0.012))
+    assert take == [0] * 15 + [4]
+    take = sp.drafts_that_pay([0.97], [8], 16, 16, (0.015, 0.012))
+    assert 0 < take[0] < 8 and all(0.97 ** j * (0.015 + 0.012 * (16 + j - 1)) > 0.012 * 16 for j in range(1, take[0] + 1))
+    # A draft goes in only behind the ones before it: the likeliest rows first across sequences.
+    # (0.9, 0.81, 0.729 of the first, then 0.6 of the second pay; 0.36 x 34 ms < 4 ms x 5.04 tokens)
+    take = sp.drafts_that_pay([0.9, 0.6], [3, 3], 2, 2, (0.010, 0.004))
+    assert take == [3, 1]
+    assert sp.drafts_that_pay([1.0, 1.0], [2, 2], 2, 2, (0.0, 0.001)) == [0, 0]  # a row at no gain: out
+
+
+def test_withheld_drafts_are_checked_against_the_tokens_that_come():
+    s = sp.SeqSpeculator(sp.Settings(max_k=4))
+    assert s.chance == 0.5  # the prior: one in two
+    s.withhold([5, 6, 7], at=3)
+    s.withhold([1, 1], at=4)  # one withheld proposal at a time: the first stands
+    s.settle([9, 9, 9])
+    s.settle([9, 9, 9, 5])  # the first came true; the second not decided yet
+    assert s.chance == 0.5
+    s.settle([9, 9, 9, 5, 6, 8])  # two kept, the third missed
+    assert s.chance == pytest.approx((0.8 + 2) / (1.6 + 3))
+    assert s.adapt.k == 3  # AdaptiveK learns from it as from a verified pass
+    assert s.drafted == 0 and s.accepted == 0  # nothing was sent
+    s.withhold([4, 4], at=6)
+    s.settle([9, 9, 9, 5, 6, 8, 4, 4])  # every one came true
+    assert s.chance == pytest.approx((2.8 * 0.8 + 2) / (4.6 * 0.8 + 2))
+    s.settle([9, 9, 9, 5, 6, 8, 4, 4, 1])  # decided: nothing pending
+    assert s.chance == pytest.approx((2.8 * 0.8 + 2) / (4.6 * 0.8 + 2))
+
+
+def _scheduler_run(tiny_models, settings, cost=None, prompts=None, tokens=12):
+    import asyncio
+
+    from larql_edge.model.batch import BatchEngine, LocalTopK
+    from larql_edge.roles.serve.scheduler import Params, Scheduler, Seq
+
+    m = Transformer.local(tiny_models["gemma3"])
+    engine = BatchEngine(m.spec, m.attn, m.embedder, m.ffn_provider, LocalTopK(m.head), m.backend)
+    prompts = prompts or [IDS, IDS[3:], [2, 7, 8, 9, 7, 8, 9, 7, 8]]
+
+    async def run() -> tuple[list[list[int]], dict]:
+        loop = asyncio.get_running_loop()
+        sched = Scheduler(engine, Vindex.open(tiny_models["gemma3"]).load_tokenizer(), context=64, max_active=8,
+                          max_queue=8, speculation=settings)
+        if cost is not None:
+            sched.cost = cost
+        seqs = [Seq(p, Params(tokens, temperature=0.0), loop) for p in prompts]
+        try:
+            for q in seqs:
+                sched.admit(q)
+            for q in seqs:
+                while (await q.events.get()).kind == "text":
+                    pass
+        finally:
+            sched.stop()
+        return [q.generated for q in seqs], sched.stats()["speculation"]
+
+    return asyncio.run(run())
+
+
+class _Fixed(sp.StepCost):
+    def __init__(self, est):
+        super().__init__()
+        self.est = est
+
+    def estimate(self):
+        return self.est
+
+
+def test_serve_withholds_drafts_that_cannot_pay_and_gives_the_same_tokens(tiny_models):
+    """In larql-serve's scheduler: when a row costs a whole token's share of the step, no draft is sent
+    (withheld ones are still settled: the record learns); when rows cost nothing every draft goes in;
+    greedy gives the tokens of plain decoding either way."""
+    plain, _ = _scheduler_run(tiny_models, sp.Settings(enabled=False))
+    dear, st = _scheduler_run(tiny_models, sp.Settings(max_k=4), _Fixed((0.0, 0.01)))
+    assert dear == plain
+    assert st["drafted_tokens"] == 0 and st["withheld_tokens"] > 0
+    assert st["step_cost_ms"] == {"fixed": 0.0, "per_row": 10.0}
+    free, st = _scheduler_run(tiny_models, sp.Settings(max_k=4), _Fixed((0.01, 0.0)))
+    assert free == plain
+    assert st["drafted_tokens"] > 0 and st["withheld_tokens"] == 0 and st["accepted_tokens"] > 0
+    off, st = _scheduler_run(tiny_models, sp.Settings(max_k=4, budget=False), _Fixed((0.0, 0.01)))
+    assert off == plain and st["withheld_tokens"] == 0 and st["drafted_tokens"] > 0 and st["budget"] is False
+
+
 @pytest.mark.parametrize("family", ["gemma3", "llama"])
 def test_kv_rollback_gives_the_logits_of_a_cache_that_never_saw_the_rejected_rows(tiny_models, family):
     m = Transformer.local(tiny_models[family])
@@ -307,7 +430,7 @@ def test_serve_speculation_gives_the_tokens_without_it_for_8_concurrent_streams(
     for g_, w in zip(got, want, strict=True):
         np.testing.assert_allclose(g_[2], w[2], atol=1e-4)
     assert stats["speculation"] == {"enabled": True, "drafter": "ngram", "draft": None, "max_k": 4, "ngram": [2, 4],
-                                    "adaptive": True}
+                                    "adaptive": True, "budget": True}
     spec = stats["scheduler"]["speculation"]
     assert spec["drafted_tokens"] > 0 and 0 < spec["accepted_tokens"] <= spec["drafted_tokens"]
     # accepted drafts are tokens without a step of their own
@@ -479,7 +602,7 @@ def test_serve_sampling_with_speculation_keeps_the_distribution(tiny_models):
     async def run_all() -> tuple[list[list[int]], dict]:
         loop = asyncio.get_running_loop()
         sched = Scheduler(engine, Vindex.open(tiny_models["gemma3"]).load_tokenizer(), context=vocab + 4,
-                          max_active=8, max_queue=runs, speculation=sp.Settings(max_k=1, ngram_min=1))
+                          max_active=8, max_queue=runs, speculation=sp.Settings(max_k=1, ngram_min=1, budget=False))
         seqs = [Seq(prompt, Params(3, temperature, top_p, seed=i), loop) for i in range(runs)]
         try:
             for s in seqs:

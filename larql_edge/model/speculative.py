@@ -19,6 +19,11 @@ one pass yields up to ``k + 1`` tokens.
 - `AdaptiveK`: k per sequence from its recent acceptance; k = 0 for a growing number of steps when
   drafts keep failing, so a sequence the drafter cannot help (open-ended chat) decodes as without
   speculation, at the cost of an occasional one-token probe.
+- In a batching step (larql-serve) a draft row costs what any row costs, and with many sequences the
+  rows are most of the step: `StepCost` learns a step's fixed and per-row seconds from the steps,
+  `drafts_that_pay` keeps the drafts whose chance of being kept (per sequence, fading) pays for
+  their row, and the withheld ones are checked against the tokens that come (`SeqSpeculator.settle`),
+  so the chance keeps learning at no cost.
 - The KV cache takes all ``k + 1`` rows and is rolled back past the first rejected one
   (`KVCache.truncate`, `SeqCache.truncate`).
 
@@ -185,6 +190,74 @@ class AdaptiveK:
         else:
             self.k = max(1, min(self.max_k, kept + 1))
             self.misses = 0
+
+
+# -- what a draft row is worth (a batching step) --------------------------------------------------
+
+
+class StepCost:
+    """A batching step's seconds as ``fixed + per_row x rows``, fitted to the recent decoding steps
+    (least squares, each older step weighing `DECAY` times less): ``fixed`` is what a step costs
+    whatever its rows (the hops, the weights streamed once), ``per_row`` what one more row adds (its
+    share of the head, the FFN, the attention). A draft row is worth its cost only where its chance
+    of being kept beats that row's share of the step's time per token (`drafts_that_pay`). Until the
+    rows have varied enough to tell the two apart there is no estimate, and every proposed draft goes
+    in; when they stop varying (every draft withheld), the last slope is kept and the level follows."""
+
+    DECAY = 0.95  # per step: ~20 steps of memory, so a change of load or of grid shows within a second
+    MIN_SPREAD = 0.25  # variance of the rows (rows^2) below which the slope is not refitted
+    MIN_STEPS = 4.0
+
+    def __init__(self) -> None:
+        self.w = self.r = self.t = self.rr = self.rt = 0.0
+        self.slope: float | None = None
+
+    def observe(self, rows: int, seconds: float) -> None:
+        d = self.DECAY
+        self.w = self.w * d + 1.0
+        self.r = self.r * d + rows
+        self.t = self.t * d + seconds
+        self.rr = self.rr * d + rows * rows
+        self.rt = self.rt * d + rows * seconds
+        mr, mt = self.r / self.w, self.t / self.w
+        var = self.rr / self.w - mr * mr
+        if self.w >= self.MIN_STEPS and var > self.MIN_SPREAD:
+            self.slope = max(0.0, (self.rt / self.w - mr * mt) / var)
+
+    def estimate(self) -> tuple[float, float] | None:
+        """(fixed, per_row) seconds, or None while nothing can be told apart."""
+        if self.slope is None:
+            return None
+        mr, mt = self.r / self.w, self.t / self.w
+        per_row = min(self.slope, mt / max(mr, 1.0))  # never more than the whole step per row: fixed >= 0
+        return mt - per_row * mr, per_row
+
+
+def drafts_that_pay(chances: Sequence[float], proposed: Sequence[int], rows: int, tokens: float,
+                    cost: tuple[float, float] | None) -> list[int]:
+    """How many of each sequence's ``proposed[s]`` drafts go into a step of ``rows`` rows that yields
+    ``tokens`` without them. Sequence ``s``'s ``j``-th draft is kept with chance ``chances[s] ** j``
+    (``chances[s]``: its chance that a draft is kept when the one before it was). Rows are added, the
+    likeliest first, while each raises the step's expected tokens per second: with ``C = fixed +
+    per_row x rows``, a row of chance ``p`` pays when ``(tokens + p) / (C + per_row) > tokens / C``,
+    i.e. ``p x C > per_row x tokens``. So under a light load (the hops dominate ``C``) a coin-flip
+    draft pays, and in a step of many sequences (their rows dominate) only a near-certain one does.
+    ``cost`` None (nothing measured yet): every proposed draft."""
+    if cost is None:
+        return list(proposed)
+    fixed, per_row = cost
+    take = [0] * len(proposed)
+    seconds = fixed + per_row * rows
+    ranked = sorted(((c ** j, s, j) for s, (c, n) in enumerate(zip(chances, proposed, strict=True))
+                     for j in range(1, n + 1)), key=lambda e: (-e[0], e[2]))
+    for p, s, j in ranked:
+        if p * seconds <= per_row * tokens:
+            break
+        if j == take[s] + 1:  # a draft only behind the ones before it (ties of chance 1: in order)
+            take[s] = j
+            seconds += per_row
+            tokens += p
+    return take
 
 
 # -- drafters ------------------------------------------------------------------------------------
@@ -397,11 +470,15 @@ class Settings:
     ngram_max: int = NGRAM_MAX
     draft: object | None = field(default=None, compare=False)  # a local `Transformer` (--draft): drafts from it
     draft_name: str | None = None  # what /v1/stats names it (the vindex's path)
+    # Drafts go into a step only where they pay for their rows (`drafts_that_pay`); False: every
+    # proposed draft (what AdaptiveK alone says).
+    budget: bool = True
 
     def as_json(self) -> dict:
         drafter = None if not self.enabled else ("model" if self.draft is not None else "ngram")
         return {"enabled": self.enabled, "drafter": drafter, "draft": self.draft_name if self.draft is not None else None,
-                "max_k": self.max_k, "ngram": [self.ngram_min, self.ngram_max], "adaptive": True}
+                "max_k": self.max_k, "ngram": [self.ngram_min, self.ngram_max], "adaptive": True,
+                "budget": self.budget}
 
 
 class SeqSpeculator:
@@ -418,6 +495,44 @@ class SeqSpeculator:
         self.adapt = AdaptiveK(settings.max_k)
         self.drafted = 0
         self.accepted = 0
+        # The chance that a draft is kept when the one before it was: kept / tried, both fading by
+        # `FADE` a pass, from a prior of one in two.
+        self._kept, self._tried = 1.0, 2.0
+        self._shadow: tuple[list[int], int] | None = None  # withheld drafts and where they would have gone
+
+    FADE = 0.8
+
+    @property
+    def chance(self) -> float:
+        """How likely this sequence's next draft is to be kept (when the drafts before it were)."""
+        return self._kept / self._tried
+
+    def _learn(self, drafted: int, kept: int) -> None:
+        self.adapt.update(drafted, kept)
+        self._kept = self._kept * self.FADE + kept
+        self._tried = self._tried * self.FADE + kept + (kept < drafted)
+
+    def withhold(self, drafts: Sequence[int], at: int) -> None:
+        """``drafts`` proposed for the sequence's tokens ``at``, ``at + 1``, ... but left out of the step
+        (they would not pay: `drafts_that_pay`). They are checked against the tokens that come
+        (`settle`), so the chance keeps learning without the rows. Exact in expectation: a greedy
+        draft is kept iff it is the token that comes; a sampled point-mass draft with probability
+        p(draft), the chance that the draw is that token."""
+        if self._shadow is None and drafts:
+            self._shadow = (list(drafts), at)
+
+    def settle(self, generated: Sequence[int]) -> None:
+        """Check withheld drafts against ``generated`` (the sequence's tokens so far), once it decides them."""
+        if self._shadow is None:
+            return
+        drafts, at = self._shadow
+        came = generated[at : at + len(drafts)]
+        kept = 0
+        while kept < len(came) and came[kept] == drafts[kept]:
+            kept += 1
+        if kept < len(came) or kept == len(drafts):  # a miss, or every draft matched: decided
+            self._shadow = None
+            self._learn(len(drafts), kept)
 
     @property
     def seconds(self) -> float:
@@ -438,7 +553,7 @@ class SeqSpeculator:
             kept, nxt = accept_greedy(drafts, [int(ids[0]) for ids, _ in rows])
         else:
             kept, nxt = accept(drafts, None, [dist_from_top(ids, lps, temperature, top_p) for ids, lps in rows], rng)
-        self.adapt.update(len(drafts), kept)
+        self._learn(len(drafts), kept)
         self.drafted += len(drafts)
         self.accepted += kept
         return kept, nxt

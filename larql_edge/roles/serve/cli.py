@@ -54,6 +54,9 @@ def build_parser():
     f.toggle("--speculate", default=True, help="n-gram speculative decoding: drafts from each sequence's own context, "
              "verified together in the step (same greedy tokens, same sampling distribution; k adapts per sequence, "
              "0 while drafts keep failing)")
+    f.toggle("--spec-budget", default=True, help="a draft goes into a step only where it pays for its row: each "
+             "sequence's record of kept drafts against the step's fixed and per-row cost, learnt from the steps "
+             "(withheld drafts are checked against the tokens that come); off: every draft k allows")
     f.add("--spec-k", type=int, default=4, help=f"drafts per sequence per step at most (1..{MAX_SPEC_K})")
     f.add("--draft", default=None, metavar="VINDEX", help="draft with this small full vindex run whole here, one KV "
           "cache per sequence (same tokenizer as the served model; e.g. its q4k vindex) instead of n-gram lookup")
@@ -120,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.draft and not args.speculate:
             raise LarqlError("--draft drafts for speculative decoding: it cannot go with --no-speculate")
         draft = open_draft(args.draft, served.tokenizer, engine.spec.vocab_size) if args.draft else None
-        speculation = Settings(enabled=args.speculate, max_k=args.spec_k, draft=draft, draft_name=args.draft)
+        speculation = Settings(enabled=args.speculate, max_k=args.spec_k, draft=draft, draft_name=args.draft,
+                               budget=args.spec_budget)
     except LarqlError as e:
         print(f"larql-serve: error: {e}", file=sys.stderr)
         return e.exit_code

@@ -13,7 +13,10 @@
   last token plus up to k n-gram drafts (k adaptive per sequence, 0 while drafts keep failing); the
   head returns the top candidates after each of those rows and the drafts are accepted (greedy: the
   same tokens; sampling: the speculative-sampling rule, the same distribution), the KV cache rolled
-  back past the first rejected one. Sequences with and without drafts share one step.
+  back past the first rejected one. Sequences with and without drafts share one step. A draft goes
+  in only where it pays for its row (`drafts_that_pay`, from the steps' measured fixed and per-row
+  cost and the sequence's record; off: ``--no-spec-budget``): in a step of many sequences a row costs
+  nearly what a token is worth, so only a near-certain draft does.
 - Sampling is local, on the top ``k`` log-probabilities the head returns (k = 64, or more for
   ``top_logprobs``): greedy takes the first (exact), otherwise temperature then top-p over those k.
 - logit_bias and the penalties (`adjust`) act as on the whole row: the head also returns every id
@@ -51,7 +54,7 @@ from larql_edge.errors import LarqlError, ServiceUnavailable, TooManyRequests
 from larql_edge.model.batch import BatchEngine, Chunk, SeqCache
 from larql_edge.model.head import Top, candidates
 from larql_edge.model.prefix_cache import PrefixCache
-from larql_edge.model.speculative import SeqSpeculator, Settings
+from larql_edge.model.speculative import SeqSpeculator, Settings, StepCost, drafts_that_pay
 from larql_edge.wire.embed import MAX_EXTRA_IDS
 
 log = logging.getLogger("larql.serve")
@@ -291,6 +294,8 @@ class Scheduler:
         self.last_step_ms = 0.0
         self.speculation = speculation or Settings(enabled=False)
         self.drafted_tokens = 0
+        self.withheld_tokens = 0  # proposed drafts the budget left out (`drafts_that_pay`)
+        self.cost = StepCost()  # decoding steps' seconds: fixed + per row
         self.step_draft: deque[float] = deque(maxlen=10000)  # a draft model's seconds per step (metrics drain it)
         self.accepted_tokens = 0
         self.full_rows = 0  # whole logits rows asked for (sampling controls the candidates could not decide)
@@ -409,6 +414,8 @@ class Scheduler:
         proposed = {s.id: self._drafts(s) for s in decoding}
         if self.speculation.draft is not None and decoding:
             self.step_draft.append(time.perf_counter() - t_draft)
+        if self.speculation.budget:
+            self._budget(decoding, proposed)
         budget = max(1, self.step_tokens - sum(1 + len(d) for d in proposed.values()))
         for s in batch:
             assert s.cache is not None
@@ -441,9 +448,12 @@ class Scheduler:
         t0 = time.perf_counter()
         starts = [c.cache.length for c in chunks]
         tops = self.engine.step_rows(chunks, k)
-        self.last_step_ms = (time.perf_counter() - t0) * 1e3
+        seconds = time.perf_counter() - t0
+        self.last_step_ms = seconds * 1e3
         self.steps += 1
         rows = sum(len(c.ids) for c in chunks)
+        if len(chunks) == len(decoding):  # decoding steps only: a prefill row costs otherwise than a decoding one
+            self.cost.observe(rows, seconds)
         self.step_rows += rows
         self.on_step(rows)
         for i, (s, rows_top, d, start) in enumerate(zip(owners, tops, drafts, starts, strict=True)):
@@ -454,8 +464,26 @@ class Scheduler:
                 if not s.generated:  # the prompt is in: keep it for later prompts, hand it to the siblings
                     self._prefilled(s, top)
                 self._accept(s, top)
-                continue
-            self._verify(s, d, rows_top, start)
+            else:
+                self._verify(s, d, rows_top, start)
+            if s.speculator is not None:
+                s.speculator.settle(s.generated)
+
+    def _budget(self, decoding: list[Seq], proposed: dict[int, list[int]]) -> None:
+        """Leave out the proposed drafts that would not pay for their rows in this step (`drafts_that_pay`:
+        each sequence's chance of a kept draft against the step's fixed and per-row cost)."""
+        drafting = [(s, s.speculator) for s in decoding if proposed[s.id] and s.speculator is not None]
+        if not drafting:
+            return
+        take = drafts_that_pay([sp.chance for _, sp in drafting], [len(proposed[s.id]) for s, _ in drafting],
+                               len(decoding), len(decoding), self.cost.estimate())
+        for (s, sp), n in zip(drafting, take, strict=True):
+            d = proposed[s.id]
+            if n < len(d):
+                self.withheld_tokens += len(d) - n
+                if n == 0:
+                    sp.withhold(d, len(s.generated))
+                proposed[s.id] = d[:n]
 
     def _extra(self, s: Seq) -> np.ndarray | None:
         """The ids the head must add to this sequence's candidates (`raised`), when the many-rows form
@@ -598,6 +626,11 @@ class Scheduler:
                 "prompt_tokens": self.prompt_tokens, "full_logit_rows": self.full_rows,
                 "prefix_cache": None if self.prefix is None else self.prefix.stats(),
                 "speculation": {**self.speculation.as_json(), "drafted_tokens": self.drafted_tokens,
+                                "withheld_tokens": self.withheld_tokens, "step_cost_ms": self._cost_ms(),
                                 "accepted_tokens": self.accepted_tokens,
                                 "acceptance": round(self.accepted_tokens / self.drafted_tokens, 4)
                                 if self.drafted_tokens else None}}
+
+    def _cost_ms(self) -> dict[str, float] | None:
+        est = self.cost.estimate()
+        return None if est is None else {"fixed": round(est[0] * 1e3, 3), "per_row": round(est[1] * 1e3, 3)}
