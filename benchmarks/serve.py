@@ -301,6 +301,12 @@ def compare_part(args, paths, levels: list[int], n_layers: int, say) -> None:
                 f"{med['this']['decode_tps'] / med['baseline']['decode_tps']:.2f}x  (agg per round: "
                 + ", ".join(f"{x:.2f}" for x in per_round) + ")")
         say(f"(medians of {args.rounds} rounds per level and tree; load average after: {os.getloadavg()[0]:.2f})")
+        for tag, g in grids.items():
+            spec = httpx.get(g["serve"].url + "/v1/stats").json()["scheduler"].get("speculation") or {}
+            if "drafted_tokens" in spec:  # a tree with speculation: what its drafts did over every round
+                say(f"speculation, {tag}: drafted {spec['drafted_tokens']}, accepted {spec['accepted_tokens']}"
+                    + (f", withheld {spec['withheld_tokens']} (learnt step cost {spec['step_cost_ms']} ms)"
+                       if "withheld_tokens" in spec else ""))
         say("lm_head: the embed server's logits_batch_duration per step; FFN: the shards' layer_duration per step; attn:")
         say("larql-serve's local_seconds (its layers' norms, projections, attention) per step; hops: its hop_network_seconds")
         say("per step (network and queueing of the FFN/embed/logits hops, overlapping nothing: steps are sequential); rest:")

@@ -437,8 +437,9 @@ def test_serve_speculation_gives_the_tokens_without_it_for_8_concurrent_streams(
     generated = stats["scheduler"]["generated_tokens"]
     assert generated == 24 * len(SERVE_PROMPTS)
     assert stats["scheduler"]["steps"] <= generated - spec["accepted_tokens"]
+    assert spec["withheld_tokens"] >= 0 and (spec["step_cost_ms"] is None or spec["step_cost_ms"]["per_row"] >= 0)
     for name in ("larql_serve_speculative_drafted_tokens_total", "larql_serve_speculative_accepted_tokens_total",
-                 "larql_serve_step_positions_bucket"):
+                 "larql_serve_speculative_withheld_tokens_total", "larql_serve_step_positions_bucket"):
         assert name in metrics, name
     assert _sample(metrics, "larql_serve_speculative_drafted_tokens_total") == spec["drafted_tokens"]
 

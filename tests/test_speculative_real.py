@@ -117,8 +117,9 @@ def test_larql_serve_8_concurrent_streams_with_speculation_equal_without(real_gr
         return c["text"], c["logprobs"]["tokens"], c["finish_reason"], r.json()["usage"]["completion_tokens"]
 
     off, on = serve("serve-off", "--no-speculate"), serve("serve-on")
-    # larql-serve --draft: the q4k vindex of the same model drafting, a KV cache of its own per sequence
-    drafted = serve("serve-draft", "--draft", str(real_quantized(real_grid["model"], "q4k")))
+    # larql-serve --draft: the q4k vindex of the same model drafting, a KV cache of its own per sequence;
+    # every draft sent (--no-spec-budget), so the verification of batched drafts is surely exercised
+    drafted = serve("serve-draft", "--draft", str(real_quantized(real_grid["model"], "q4k")), "--no-spec-budget")
     with ThreadPoolExecutor(8) as pool:
         want = list(pool.map(lambda p: run(off, p), prompts))
         got = list(pool.map(lambda p: run(on, p), prompts))
@@ -126,11 +127,14 @@ def test_larql_serve_8_concurrent_streams_with_speculation_equal_without(real_gr
     assert got == want
     assert by_draft == want
     stats = httpx.get(on + "/v1/stats").json()
-    assert stats["speculation"]["enabled"] is True
-    assert stats["scheduler"]["speculation"]["accepted_tokens"] > 0
+    assert stats["speculation"]["enabled"] is True and stats["speculation"]["budget"] is True
+    spec = stats["scheduler"]["speculation"]
+    # the budget sends the drafts that pay and checks the others against what came: drafts were made
+    assert spec["drafted_tokens"] + spec["withheld_tokens"] > 0, spec
     dstats = httpx.get(drafted + "/v1/stats").json()
-    assert dstats["speculation"]["drafter"] == "model"
+    assert dstats["speculation"]["drafter"] == "model" and dstats["speculation"]["budget"] is False
     assert dstats["scheduler"]["speculation"]["accepted_tokens"] > 0
+    assert dstats["scheduler"]["speculation"]["withheld_tokens"] == 0
     assert httpx.get(off + "/v1/stats").json()["scheduler"]["speculation"]["drafted_tokens"] == 0
 
 

@@ -139,11 +139,13 @@ def create_app(engine: BatchEngine, served: Served, limits: Limits, name: str = 
     prompt = m.counter("prompt_tokens", "Prompt tokens admitted")
     drafted = m.counter("speculative_drafted_tokens", "Draft tokens verified (n-gram or --draft model speculation)")
     accepted = m.counter("speculative_accepted_tokens", "Draft tokens accepted (each one a token without a pass of its own)")
+    withheld = m.counter("speculative_withheld_tokens", "Draft tokens proposed but left out of their step: their "
+                         "rows would not have paid (--spec-budget)")
     step_rows = m.histogram("step_positions", "Positions (rows) per batching step: prompt chunks, decoded tokens "
                             "and drafts of every sequence", buckets=STEP_ROWS_BUCKETS)
     sched.on_token = lambda kind, seconds: (ttft if kind == "ttft" else itl).observe(seconds)
     sched.on_step = step_rows.observe
-    seen = {"generated": 0, "prompt": 0, "drafted": 0, "accepted": 0}
+    seen = {"generated": 0, "prompt": 0, "drafted": 0, "accepted": 0, "withheld": 0}
 
     def flush() -> None:
         active.set(sched.active_count)
@@ -156,6 +158,8 @@ def create_app(engine: BatchEngine, served: Served, limits: Limits, name: str = 
         drafted.inc(dr - seen["drafted"])
         accepted.inc(ac - seen["accepted"])
         seen["drafted"], seen["accepted"] = dr, ac
+        withheld.inc(sched.withheld_tokens - seen["withheld"])
+        seen["withheld"] = sched.withheld_tokens
 
     m.add_flusher(flush)
     hop_metrics = HopMetrics(m)

@@ -472,7 +472,10 @@ class Scheduler:
     def _budget(self, decoding: list[Seq], proposed: dict[int, list[int]]) -> None:
         """Leave out the proposed drafts that would not pay for their rows in this step (`drafts_that_pay`:
         each sequence's chance of a kept draft against the step's fixed and per-row cost)."""
-        drafting = [(s, s.speculator) for s in decoding if proposed[s.id] and s.speculator is not None]
+        # A seeded sampling sequence keeps every draft adaptive k allows: which drafts are verified decides
+        # how its draws consume its generator, and the budget follows measured time, so a rerun would differ.
+        drafting = [(s, s.speculator) for s in decoding if proposed[s.id] and s.speculator is not None
+                    and (s.params.seed is None or s.params.temperature < MIN_TEMPERATURE)]
         if not drafting:
             return
         take = drafts_that_pay([sp.chance for _, sp in drafting], [len(proposed[s.id]) for s, _ in drafting],
