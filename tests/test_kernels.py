@@ -11,6 +11,8 @@ tensors in their own block types, with real activations from the model's numpy f
 from __future__ import annotations
 
 import platform
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -20,7 +22,9 @@ from larql_edge.model.kernels import (
     COMPACT_FORMATS,
     CompactMatrix,
     KernelError,
+    map_rows,
 )
+from larql_edge.model.kernels._threads import MAP_ROWS_FROM
 from tests._threads import kernel_threads
 
 GGML_TYPE = {f: GGMLQuantizationType[f.upper()] for f in ("q8_0", "q4_k", "q6_k", "q5_0", "q4_1")}
@@ -188,6 +192,35 @@ def test_threads_split_gives_the_same_result(rng):
     with kernel_threads(2):
         two = m.matmul(x)
     np.testing.assert_array_equal(one, two)
+
+
+def test_map_rows_keeps_order_splits_large_blocks_and_raises_after_every_part():
+    block = np.arange(6 * (MAP_ROWS_FROM // 4), dtype=np.float32).reshape(6, -1)
+    seen: set[int] = set()
+
+    def post(i, row):
+        seen.add(threading.get_ident())
+        return i, float(row[0])
+
+    with kernel_threads(2):
+        assert map_rows(post, block) == [(i, float(block[i, 0])) for i in range(6)]
+        assert len(seen) == 2  # the caller and one pool thread
+        seen.clear()
+        assert map_rows(post, block[:, :8]) == [(i, float(block[i, 0])) for i in range(6)]
+        assert seen == {threading.get_ident()}  # small: no hand-off
+        done = []
+
+        def fails_first(i, row):
+            if i == 0:
+                raise ValueError("row 0")
+            time.sleep(0.01)
+            done.append(i)
+
+        with pytest.raises(ValueError, match="row 0"):
+            map_rows(fails_first, block)
+        assert sorted(done) == [3, 4, 5]  # the other part ran to its end before the error came out
+    with kernel_threads(1):
+        assert map_rows(post, block) == [(i, float(block[i, 0])) for i in range(6)]
 
 
 def test_from_blocks_is_zero_copy_and_accepts_read_only_maps(tmp_path, rng):

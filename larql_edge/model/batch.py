@@ -29,6 +29,7 @@ from larql_edge.model import ops
 from larql_edge.model.backend import Backend
 from larql_edge.model.forward import EmbedProvider, FfnProvider, project_qkv
 from larql_edge.model.head import Top, candidates
+from larql_edge.model.kernels import map_rows
 from larql_edge.model.spec import ModelSpec
 from larql_edge.model.weights import AttentionLayer
 from larql_edge.wire.embed import allowed_tokens
@@ -60,13 +61,13 @@ class LocalTopK:
 
     def top_k_rows(self, h: np.ndarray, k: int, masks: Sequence[np.ndarray | None] | None = None,
                    extra: Sequence[np.ndarray | None] | None = None) -> list[Top]:
-        out = []
-        for i, row in enumerate(self.logits(h)):
+        def top(i: int, row: np.ndarray) -> Top:
             mask = masks[i] if masks is not None else None
             if mask is not None:
                 row = np.where(allowed_tokens(mask, row.size), row, np.float32(-np.inf))
-            out.append(candidates(row, k, extra[i] if extra is not None else None))
-        return out
+            return candidates(row, k, extra[i] if extra is not None else None)
+
+        return map_rows(top, self.logits(h))
 
 
 def kv_bytes_per_token(spec: ModelSpec) -> int:

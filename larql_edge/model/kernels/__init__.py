@@ -17,10 +17,10 @@ from __future__ import annotations
 
 from larql_edge.model.kernels._formats import FORMATS, KernelError
 from larql_edge.model.kernels._matrix import CompactMatrix
-from larql_edge.model.kernels._threads import get_threads, set_threads
+from larql_edge.model.kernels._threads import get_threads, map_rows, set_threads
 from larql_edge.model.kernels._warmup import kernel_info, warm_up
 
 COMPACT_FORMATS = ("q4_k", "q6_k", "q8_0", "q5_0", "q4_1", "f16")
 
 __all__ = ["COMPACT_FORMATS", "FORMATS", "CompactMatrix", "KernelError", "get_threads", "kernel_info",
-           "set_threads", "warm_up"]
+           "map_rows", "set_threads", "warm_up"]

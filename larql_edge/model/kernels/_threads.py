@@ -8,6 +8,11 @@ BLAS at one thread, as larql-edge does with OPENBLAS_NUM_THREADS=1); the calling
 itself. Why not ggml's threads there: without a persistent ggml pool every multi-thread graph spawns
 and joins its threads (measured 20-80x slower per product on this loaded 2-core machine).
 
+Row-wise post-processing of a product (`map_rows`: the head's top k and log-normaliser of each
+vocabulary row) goes over the same Python threads: numpy's reductions, partitions and exponentials
+release the GIL, and on a 16-row decode step of a 262,144-token vocabulary that work is a tenth of the
+head's time (DESIGN.md §4).
+
 Graphs run on one persistent ggml pool whose workers sleep as soon as a graph ends (`GRAPH_POLL`):
 ggml's default keeps them spinning, and a spinning pool stalls the other roles sharing the cores.
 """
@@ -17,10 +22,15 @@ from __future__ import annotations
 import ctypes as C
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
-from typing import Protocol
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, wait
+from typing import Protocol, TypeVar
+
+import numpy as np
 
 from larql_edge.config import kernel_threads
+
+R = TypeVar("R")
 
 _lock = threading.Lock()
 _pool: ThreadPoolExecutor | None = None
@@ -81,6 +91,34 @@ def split_rows(work, rows: int, parallel: bool, align: int = 1) -> None:
     finally:
         for f in futures:
             f.result()
+
+
+# Values in a block from which its rows' post-processing is split across the threads: a thread
+# hand-off costs ~50 us, a 262,144-value row's top k and log-normaliser ~0.5 ms (DESIGN.md §4).
+MAP_ROWS_FROM = 1 << 18
+
+
+def map_rows(fn: Callable[[int, np.ndarray], R], block: np.ndarray) -> list[R]:
+    """``[fn(i, row) for i, row in enumerate(block)]``, in order; from `MAP_ROWS_FROM` values on,
+    the rows split into contiguous parts across the threads (the calling thread does the first).
+    An exception from any part is raised once every part has ended."""
+    rows = block.shape[0]
+    n = min(get_threads() if block.size >= MAP_ROWS_FROM else 1, rows)
+    if n <= 1:
+        return [fn(i, block[i]) for i in range(rows)]
+    step = -(-rows // n)
+
+    def part(a: int) -> list[R]:
+        return [fn(i, block[i]) for i in range(a, min(rows, a + step))]
+
+    futures = [_get_pool(n - 1).submit(part, a) for a in range(step, rows, step)]
+    try:
+        out = part(0)
+    finally:
+        wait(futures)
+    for f in futures:
+        out.extend(f.result())
+    return out
 
 
 # ggml's threads poll for the next graph ``1024 * 128 * poll`` times (``_mm_pause`` each) before they

@@ -37,6 +37,7 @@ from sanic import Blueprint
 from sanic.response import HTTPResponse, json
 
 from larql_edge.errors import BadRequest, PayloadTooLarge
+from larql_edge.model.kernels import map_rows
 from larql_edge.roles.embed import requests as rq
 from larql_edge.roles.embed.head import log_normaliser, top_k_ids
 from larql_edge.roles.embed.routes._common import both, model_of
@@ -103,10 +104,12 @@ def _extra(temperature: float, row: np.ndarray, ids: np.ndarray) -> list[dict]:
 def _top_k_rows(model, k: int, temperature: float, masked: tuple[int, ...], allowed: np.ndarray | None,
                 extra: dict[int, np.ndarray], block: np.ndarray) -> tuple[list[list[dict]], list[list[dict]] | None]:
     block = _apply_masks(block, masked, allowed)
-    top = [_top_k(model, k, temperature, row) for row in block]
-    if not extra:
-        return top, None
-    return top, [_extra(temperature, row, extra[r]) if r in extra else [] for r, row in enumerate(block)]
+
+    def post(r: int, row: np.ndarray) -> tuple[list[dict], list[dict]]:
+        return _top_k(model, k, temperature, row), _extra(temperature, row, extra[r]) if r in extra else []
+
+    tops, extras = zip(*map_rows(post, block), strict=True)
+    return list(tops), list(extras) if extra else None
 
 
 def _raw_rows(temperature: float, masked: tuple[int, ...], allowed: np.ndarray | None, block: np.ndarray) -> bytes:
