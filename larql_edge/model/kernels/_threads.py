@@ -11,7 +11,7 @@ and joins its threads (measured 20-80x slower per product on this loaded 2-core 
 Row-wise post-processing of a product (`map_rows`: the head's top k and log-normaliser of each
 vocabulary row) goes over the same Python threads: numpy's reductions, partitions and exponentials
 release the GIL, and on a 16-row decode step of a 262,144-token vocabulary that work is a tenth of the
-head's time (DESIGN.md §4).
+head's time (DESIGN.md §4.5).
 
 Graphs run on one persistent ggml pool whose workers sleep as soon as a graph ends (`GRAPH_POLL`):
 ggml's default keeps them spinning, and a spinning pool stalls the other roles sharing the cores.
@@ -94,7 +94,7 @@ def split_rows(work, rows: int, parallel: bool, align: int = 1) -> None:
 
 
 # Values in a block from which its rows' post-processing is split across the threads: a thread
-# hand-off costs ~50 us, a 262,144-value row's top k and log-normaliser ~0.5 ms (DESIGN.md §4).
+# hand-off costs ~50 us, a 262,144-value row's top k and log-normaliser ~0.5 ms (DESIGN.md §4.5).
 MAP_ROWS_FROM = 1 << 18
 
 
