@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import pickle
 import sys
 from pathlib import Path
 
@@ -68,8 +69,7 @@ def main() -> None:
                 set_threads(threads)
                 answers[threads] = route(k)
                 ms[threads] = median_ms(lambda route=route, k=k: route(k), n=a.n, warmup=3)
-            same = repr(answers[1]) == repr(answers[2])
-            if not same:
+            if pickle.dumps(answers[1]) != pickle.dumps(answers[2]):  # exact: every float's bits
                 raise SystemExit(f"k={k} {name}: the answers on 1 and 2 threads differ")
             lines.append(f"{k:>4} {name:>12} {ms[1]:>8.2f} {ms[2]:>8.2f} {ms[1] / ms[2]:>6.2f}x")
     lines.append(f"load average after: {os.getloadavg()[0]:.2f}; CPU: {_cpu()}")

@@ -24,7 +24,7 @@ import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
@@ -74,12 +74,11 @@ def _get_pool(workers: int) -> ThreadPoolExecutor:
         return _pool
 
 
-def split_rows(work, rows: int, parallel: bool, align: int = 1) -> None:
-    """Run ``work(a, b)`` over ``[0, rows)``, split into contiguous ranges across the threads (each
-    range's bounds multiples of ``align``, but the last's end)."""
-    n = get_threads() if parallel else 1
-    n = min(n, max(1, rows // 64))
-    if n == 1:
+def _run_ranges(work: Callable[[int, int], object], rows: int, n: int, align: int = 1) -> None:
+    """``work(a, b)`` over ``[0, rows)`` in ``n`` contiguous ranges (bounds multiples of ``align``, but
+    the last's end): the first on the calling thread, the rest on the pool. An exception from any
+    range is raised once every range has ended."""
+    if n <= 1:
         work(0, rows)
         return
     step = -(-rows // n)
@@ -89,8 +88,16 @@ def split_rows(work, rows: int, parallel: bool, align: int = 1) -> None:
     try:
         work(*bounds[0])
     finally:
-        for f in futures:
-            f.result()
+        wait(futures)
+    for f in futures:
+        f.result()
+
+
+def split_rows(work, rows: int, parallel: bool, align: int = 1) -> None:
+    """Run ``work(a, b)`` over ``[0, rows)``, split into contiguous ranges across the threads (each
+    range's bounds multiples of ``align``, but the last's end)."""
+    n = get_threads() if parallel else 1
+    _run_ranges(work, rows, min(n, max(1, rows // 64)), align)
 
 
 # Values in a block from which its rows' post-processing is split across the threads: a thread
@@ -103,21 +110,12 @@ def map_rows(fn: Callable[[int, np.ndarray], R], block: np.ndarray) -> list[R]:
     the rows split into contiguous parts across the threads (the calling thread does the first).
     An exception from any part is raised once every part has ended."""
     rows = block.shape[0]
-    n = min(get_threads() if block.size >= MAP_ROWS_FROM else 1, rows)
-    if n <= 1:
-        return [fn(i, block[i]) for i in range(rows)]
-    step = -(-rows // n)
+    out: list[Any] = [None] * rows
 
-    def part(a: int) -> list[R]:
-        return [fn(i, block[i]) for i in range(a, min(rows, a + step))]
+    def work(a: int, b: int) -> None:
+        out[a:b] = [fn(i, block[i]) for i in range(a, b)]
 
-    futures = [_get_pool(n - 1).submit(part, a) for a in range(step, rows, step)]
-    try:
-        out = part(0)
-    finally:
-        wait(futures)
-    for f in futures:
-        out.extend(f.result())
+    _run_ranges(work, rows, min(get_threads() if block.size >= MAP_ROWS_FROM else 1, rows))
     return out
 
 
